@@ -1,0 +1,57 @@
+"""wcviz: prove, rank by rank, that the weights an engine serves are the weights the trainer sent.
+
+The public surface, small on purpose. Heavy pieces (torch, numba, pandas)
+load when first used, so ``import wcviz`` stays cheap.
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+# public name -> module that defines it
+_EXPORTS = {
+    "tensor_digest": "wcviz.digest",
+    "digest_hex": "wcviz.digest",
+    "digest_many": "wcviz.digest",
+    "compare_digests": "wcviz.digest",
+    "Digest": "wcviz.digest",
+    "ALGORITHMS": "wcviz.digest",
+    "BACKENDS": "wcviz.digest",
+    "from_module": "wcviz.sources",
+    "from_state_dict": "wcviz.sources",
+    "from_safetensors": "wcviz.sources",
+    "compare": "wcviz.compare",
+    "read_table": "wcviz.frame",
+    "write_table": "wcviz.frame",
+    "COLUMNS": "wcviz.frame",
+    "WcvizError": "wcviz._errors",
+    "DigestError": "wcviz._errors",
+    "AlgorithmMismatch": "wcviz._errors",
+    "CheckpointError": "wcviz._errors",
+    "TableError": "wcviz._errors",
+}
+
+__all__ = sorted(_EXPORTS) + ["__version__"]
+
+if TYPE_CHECKING:
+    from wcviz._errors import AlgorithmMismatch, CheckpointError, DigestError, TableError, WcvizError
+    from wcviz.compare import compare
+    from wcviz.digest import ALGORITHMS, BACKENDS, Digest, compare_digests, digest_hex, digest_many, tensor_digest
+    from wcviz.frame import COLUMNS, read_table, write_table
+    from wcviz.sources import from_module, from_safetensors, from_state_dict
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'wcviz' has no attribute {name!r}")
+    value = getattr(import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__

@@ -1,0 +1,39 @@
+"""The refit digest: the same 32 hex characters for the same tensor, on any device.
+
+"nemo-rl-v3" is bit-compatible with NeMo-RL's refit verification (see
+``shared/digest-algorithm.md``); "sha256" hashes the same metadata and bytes
+with SHA-256 on the host. Backends: ``torch`` (the reference, any device) and
+``numba`` (the fast CPU path); ``auto`` picks the fastest that runs there.
+"""
+
+from __future__ import annotations
+
+from wcviz.digest._api import (
+    ALGORITHMS,
+    BACKENDS,
+    DEFAULT_ALGO,
+    Digest,
+    compare_digests,
+    digest_buffer,
+    digest_hex,
+    digest_many,
+    digest_timed,
+    parse_dtype,
+    resolve_backend,
+    tensor_digest,
+)
+
+__all__ = [
+    "ALGORITHMS",
+    "BACKENDS",
+    "DEFAULT_ALGO",
+    "Digest",
+    "compare_digests",
+    "digest_buffer",
+    "digest_hex",
+    "digest_many",
+    "digest_timed",
+    "parse_dtype",
+    "resolve_backend",
+    "tensor_digest",
+]

@@ -1,0 +1,279 @@
+"""The public digest functions: algorithm and backend choice, batching, comparison."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Union
+
+from wcviz._errors import AlgorithmMismatch, DigestError
+from wcviz.digest import _lanes, _spec
+from wcviz.digest._sha256 import sha256_hex
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
+
+__all__ = [
+    "ALGORITHMS",
+    "BACKENDS",
+    "DEFAULT_ALGO",
+    "Digest",
+    "tensor_digest",
+    "digest_hex",
+    "digest_many",
+    "digest_timed",
+    "digest_buffer",
+    "compare_digests",
+    "resolve_backend",
+    "parse_dtype",
+]
+
+log = logging.getLogger("wcviz.digest")
+
+DEFAULT_ALGO = _spec.ALGO
+ALGORITHMS = (_spec.ALGO, "sha256")
+BACKENDS = ("auto", "torch", "numba")
+
+NamedTensors = Union[Mapping[str, "torch.Tensor"], Iterable[tuple[str, "torch.Tensor"]]]
+
+
+class Digest(str):
+    """A digest's lowercase hex form that remembers the algorithm that made it.
+
+    It is a ``str`` (it compares, hashes and prints as its hex), so it drops into
+    dicts, frames and JSON; ``.algo`` is what :func:`compare_digests` checks.
+    """
+
+    algo: str
+
+    def __new__(cls, hexdigest: str, algo: str) -> Digest:
+        self = super().__new__(cls, hexdigest)
+        self.algo = algo
+        return self
+
+    def __repr__(self) -> str:
+        return f"Digest({str(self)!r}, algo={self.algo!r})"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Digest, (str(self), self.algo))
+
+
+def _check_algo(algo: str) -> str:
+    if algo not in ALGORITHMS:
+        raise ValueError(f"unknown digest algorithm {algo!r}; choose one of {', '.join(ALGORITHMS)}")
+    return algo
+
+
+_numba_ok: bool | None = None
+
+
+def _numba_available() -> bool:
+    global _numba_ok
+    if _numba_ok is None:
+        try:
+            from wcviz.digest import _numba  # noqa: F401
+        except ImportError as e:  # the torch reference still works, only slower
+            log.warning("numba is unavailable (%s); digesting on the CPU with the torch backend", e)
+            _numba_ok = False
+        else:
+            _numba_ok = True
+    return _numba_ok
+
+
+def resolve_backend(backend: str, device_type: str, name: str | None = None) -> str:
+    """The backend that will digest a tensor on ``device_type`` when ``backend`` is asked for."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown digest backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    if backend == "auto":
+        return "numba" if device_type == "cpu" and _numba_available() else "torch"
+    if backend == "numba" and device_type != "cpu":
+        what = f"tensor {name!r}" if name else "the tensor"
+        raise DigestError(f"backend 'numba' runs on the CPU, but {what} is on {device_type}")
+    return backend
+
+
+def parse_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    """A ``torch.dtype`` from itself, ``"bfloat16"`` or ``"torch.bfloat16"``."""
+    import torch
+
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    found = getattr(torch, str(dtype).removeprefix("torch."), None)
+    if not isinstance(found, torch.dtype):
+        raise DigestError(f"unknown dtype {dtype!r}")
+    return found
+
+
+def _words(lanes: torch.Tensor, seed: tuple[int, int], backend: str) -> torch.Tensor:
+    """Digest words of an ``int64`` lane tensor with a resolved backend, on its device."""
+    import torch
+
+    if backend == "numba":
+        from wcviz.digest import _numba
+
+        d1, d2 = _numba.lanes_digest(lanes.numpy().view("uint64"), seed)
+        return torch.tensor([_spec.to_i64(d1), _spec.to_i64(d2)], dtype=torch.int64)
+    from wcviz.digest import _torch
+
+    return _torch.lanes_digest(lanes, seed)
+
+
+def tensor_digest(t: torch.Tensor, *, backend: str = "auto", name: str | None = None) -> torch.Tensor:
+    """The "nemo-rl-v3" digest of ``t``: two ``int64`` values on ``t.device``, no host sync.
+
+    ``name`` only labels errors. Use :func:`digest_hex` for the 32-character form.
+    """
+    raw = _lanes.logical_bytes(t, name)
+    dtype_name, shape, nbytes = _lanes.meta_of(t)
+    chosen = resolve_backend(backend, t.device.type, name)
+    return _words(_lanes.lanes_of(raw), _spec.seeds(dtype_name, shape, nbytes), chosen)
+
+
+def _hex_words(words: Sequence[int]) -> Digest:
+    return Digest(_spec.hex_of(words[0], words[1]), _spec.ALGO)
+
+
+def _sha256_of(t: torch.Tensor, name: str | None) -> Digest:
+    raw = _lanes.logical_bytes(t, name).cpu().numpy()
+    dtype_name, shape, nbytes = _lanes.meta_of(t)
+    return Digest(sha256_hex(raw.data, dtype_name, shape, nbytes), "sha256")
+
+
+def digest_hex(t: torch.Tensor, *, algo: str = DEFAULT_ALGO, backend: str = "auto", name: str | None = None) -> Digest:
+    """The digest of ``t`` as lowercase hex (32 characters for "nemo-rl-v3", 64 for "sha256")."""
+    if _check_algo(algo) == "sha256":
+        return _sha256_of(t, name)
+    return _hex_words(tensor_digest(t, backend=backend, name=name).tolist())
+
+
+def _pairs(named_tensors: NamedTensors) -> list[tuple[str, torch.Tensor]]:
+    items = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
+    seen: set[str] = set()
+    dups: list[str] = []
+    for item in items:
+        if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
+            raise TypeError(f"expected (name, tensor) pairs with str names, got {item!r:.80}")
+        if item[0] in seen:
+            dups.append(item[0])
+        seen.add(item[0])
+    if dups:
+        raise DigestError(f"duplicate parameter names: {', '.join(sorted(set(dups)))}")
+    return items
+
+
+def digest_timed(
+    named_tensors: NamedTensors, *, algo: str = DEFAULT_ALGO, backend: str = "auto", progress: bool | None = False
+) -> dict[str, tuple[Digest, float]]:
+    """Like :func:`digest_many`, with the seconds each digest cost.
+
+    On the CPU each tensor is timed alone. On an accelerator, timing one tensor
+    would need a sync per tensor, so the device's total (one sync) is shared
+    out in proportion to bytes.
+    """
+    from tqdm.auto import tqdm
+
+    _check_algo(algo)
+    items = _pairs(named_tensors)
+    for name, t in items:  # fail on bad input before any work is done
+        _lanes.check_digestible(t, name)
+        resolve_backend(backend, t.device.type, name)
+    out: dict[str, tuple[Digest, float]] = {}
+    pending: dict[Any, list[tuple[str, torch.Tensor, int]]] = {}
+    started: dict[Any, float] = {}
+    for name, t in tqdm(items, desc="digest", unit="tensor", disable=not progress):
+        if algo == "sha256":
+            t0 = time.perf_counter()
+            d = _sha256_of(t, name)
+            out[name] = (d, time.perf_counter() - t0)
+        elif t.device.type == "cpu":
+            t0 = time.perf_counter()
+            d = _hex_words(tensor_digest(t, backend=backend, name=name).tolist())
+            out[name] = (d, time.perf_counter() - t0)
+        else:
+            started.setdefault(t.device, time.perf_counter())
+            words = tensor_digest(t, backend=backend, name=name)
+            pending.setdefault(t.device, []).append((name, words, t.numel() * t.element_size()))
+    for device, rows in pending.items():
+        import torch
+
+        host = _to_host(torch.stack([w for _, w, _ in rows]))  # the one sync for this device
+        total = time.perf_counter() - started[device]
+        nbytes = sum(b for _, _, b in rows) or 1
+        for (name, _, b), words in zip(rows, host):
+            out[name] = (_hex_words(words), total * b / nbytes)
+    return {name: out[name] for name, _ in items}
+
+
+def _to_host(words: torch.Tensor) -> list[list[int]]:
+    """Bring a device's stacked digest words to the host: the one sync per device."""
+    return words.tolist()
+
+
+def digest_many(
+    named_tensors: NamedTensors, *, algo: str = DEFAULT_ALGO, backend: str = "auto", progress: bool | None = False
+) -> dict[str, Digest]:
+    """Digest many named tensors, each on its own device, syncing once per device.
+
+    Accepts a mapping or an iterable of ``(name, tensor)``; duplicate names are
+    an error that names them. Returns ``{name: Digest}`` in input order.
+    """
+    timed = digest_timed(named_tensors, algo=algo, backend=backend, progress=progress)
+    return {name: d for name, (d, _) in timed.items()}
+
+
+def digest_buffer(
+    raw: np.ndarray,
+    dtype: torch.dtype | str,
+    shape: Sequence[int],
+    *,
+    algo: str = DEFAULT_ALGO,
+    backend: str = "auto",
+    name: str | None = None,
+) -> Digest:
+    """Digest raw little-endian bytes as a tensor of ``dtype`` and ``shape`` would be.
+
+    For readers (checkpoints) that hold bytes, not tensors: the result equals
+    :func:`digest_hex` of the tensor those bytes encode. ``raw`` is a 1-D
+    ``uint8`` array of exactly ``nbytes``, or longer with zero padding after.
+    """
+    import numpy as np
+    import torch
+
+    dt = parse_dtype(dtype)
+    shape = tuple(int(d) for d in shape)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+    if raw.dtype != np.uint8 or raw.ndim != 1 or raw.shape[0] < nbytes:
+        what = f"tensor {name!r}" if name else "buffer"
+        raise DigestError(f"{what}: expected at least {nbytes} bytes of uint8 for {dt} {list(shape)}, got {raw.shape[0]} {raw.dtype}")
+    if _check_algo(algo) == "sha256":
+        return Digest(sha256_hex(raw.data, str(dt), shape, nbytes), "sha256")
+    padded = (nbytes + 7) // 8 * 8
+    if raw.shape[0] >= padded and not raw[nbytes:padded].any() and raw.ctypes.data % 8 == 0:
+        lanes = torch.from_numpy(raw[:padded]).view(torch.int64)
+    else:
+        buf = np.zeros(padded, dtype=np.uint8)
+        buf[:nbytes] = raw[:nbytes]
+        lanes = torch.from_numpy(buf).view(torch.int64)
+    chosen = resolve_backend(backend, "cpu", name)
+    return _hex_words(_words(lanes, _spec.seeds(str(dt), shape, nbytes), chosen).tolist())
+
+
+def _algos(side: Mapping[str, str]) -> set[str]:
+    return {v.algo for v in side.values() if isinstance(v, Digest)}
+
+
+def compare_digests(sender: Mapping[str, str], receiver: Mapping[str, str]) -> list[str]:
+    """Sorted names whose digests differ, or that only one side has.
+
+    Digests of different algorithms cannot be compared: that raises
+    :class:`AlgorithmMismatch` rather than reporting every name as different.
+    """
+    algos = _algos(sender) | _algos(receiver)
+    if len(algos) > 1:
+        raise AlgorithmMismatch(f"cannot compare digests of different algorithms: {', '.join(sorted(algos))}")
+    names = set(sender) | set(receiver)
+    return sorted(
+        n for n in names if n not in sender or n not in receiver or str(sender[n]).lower() != str(receiver[n]).lower()
+    )

@@ -1,0 +1,79 @@
+"""A tensor's logical bytes, and the 64-bit lanes the digest folds.
+
+Every dtype PyTorch has becomes bytes the same way: reinterpret the elements as
+an integer type of the same width (a view, legal for any strides), make that
+contiguous (integer copies exist on every device), and view it as ``uint8``.
+So a transposed view digests like its contiguous copy, and no float kernel is
+ever asked to copy an exotic dtype (float8, uint3, bits16, ...).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from wcviz._errors import DigestError
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["TensorMeta", "check_digestible", "logical_bytes", "lanes_of", "meta_of"]
+
+TensorMeta = tuple[str, tuple[int, ...], int]  # (str(dtype), shape, nbytes)
+
+
+def _label(name: str | None) -> str:
+    return f"tensor {name!r}" if name is not None else "tensor"
+
+
+def check_digestible(t: object, name: str | None = None) -> None:
+    """Raise a :class:`DigestError` naming ``name`` if ``t`` has no bytes to digest."""
+    import torch
+
+    if not isinstance(t, torch.Tensor):
+        raise DigestError(f"{_label(name)} is a {type(t).__name__}, not a torch.Tensor")
+    if t.layout != torch.strided:
+        raise DigestError(
+            f"{_label(name)} is not dense (layout {t.layout}); digest t.to_dense() or its "
+            "indices and values separately"
+        )
+    if t.device.type == "meta":
+        raise DigestError(f"{_label(name)} is on the meta device: it holds no data to digest")
+
+
+def meta_of(t: torch.Tensor) -> TensorMeta:
+    """What the seeds are made from: ``(str(dtype), shape, nbytes)``."""
+    return str(t.dtype), tuple(int(d) for d in t.shape), t.numel() * t.element_size()
+
+
+def logical_bytes(t: torch.Tensor, name: str | None = None) -> torch.Tensor:
+    """Flat contiguous ``uint8`` tensor of ``t``'s elements in row-major order, on its device."""
+    import torch
+
+    check_digestible(t, name)
+    t = t.detach()
+    if t.is_quantized:
+        t = t.int_repr()
+    if t.is_complex() and t.element_size() == 16:
+        t = torch.view_as_real(t)  # complex128 -> (..., 2) float64: same bytes, same order
+    width = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}.get(t.element_size())
+    if width is None:
+        raise DigestError(f"{_label(name)} has dtype {t.dtype} of {t.element_size()} bytes per element, which wcviz cannot read")
+    if t.dtype != width:
+        t = t.view(width)
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def lanes_of(raw: torch.Tensor) -> torch.Tensor:
+    """Little-endian 64-bit lanes (as ``int64``) of a flat ``uint8`` tensor, zero-padded.
+
+    Aligned data whose length is a multiple of 8 is viewed in place; anything
+    else (an odd tail, a slice at an unaligned storage offset) is copied once.
+    """
+    import torch
+
+    n = raw.numel()
+    if n % 8 == 0 and raw.storage_offset() % 8 == 0 and raw.data_ptr() % 8 == 0:
+        return raw.view(torch.int64)
+    buf = torch.zeros((n + 7) // 8 * 8, dtype=torch.uint8, device=raw.device)
+    buf[:n] = raw
+    return buf.view(torch.int64)

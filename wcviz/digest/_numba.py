@@ -1,0 +1,151 @@
+"""The fast CPU backend: a numba kernel, bit-identical to the torch reference.
+
+Each chunk's tree is a perfect binary tree, so it is folded in blocks of
+``BLOCK`` lanes that stay in L1 (both channels interleaved, so two independent
+dependency chains are in flight), and the block roots are folded after. Blocks
+of every chunk are independent, so they are spread over all cores; only the
+chain across chunks is sequential, and it costs one mix per chunk.
+
+All arithmetic is on ``uint64`` with ``uint64`` constants: mixing in a Python
+int would silently promote to float64 under numba.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+from numba import njit, prange
+
+from wcviz.digest import _spec
+
+__all__ = ["lanes_digest", "set_threads", "BLOCK"]
+
+BLOCK = 1024  # lanes folded per task: 8 KiB of input, 4 KiB of scratch per channel
+_LOG_BLOCK = BLOCK.bit_length() - 1
+_GROUP = 16  # blocks per parallel task, so scratch is allocated once per task
+
+_U = np.uint64
+_S30, _S27, _S31 = _U(30), _U(27), _U(31)
+_K1, _K2 = _U(_spec.MIX_1), _U(_spec.MIX_2)
+_LT1, _LT2 = _U(_spec.LT[0]), _U(_spec.LT[1])
+_RT1, _RT2 = _U(_spec.RT[0]), _U(_spec.RT[1])
+_M1, _M2 = _U(_spec.MUL[0]), _U(_spec.MUL[1])
+_CH = _U(_spec.CHAIN)
+_CHUNK = _spec.CHUNK
+_PER_CHUNK = _CHUNK // BLOCK
+
+
+@njit(inline="always", cache=True)
+def _mix(x):  # type: ignore[no-untyped-def]
+    x = (x ^ (x >> _S30)) * _K1
+    x = (x ^ (x >> _S27)) * _K2
+    return x ^ (x >> _S31)
+
+
+@njit(inline="always", cache=True)
+def _merge1(a, b):  # type: ignore[no-untyped-def]
+    return _mix(_mix(a ^ _LT1) + _mix(b ^ _RT1) * _M1)
+
+
+@njit(inline="always", cache=True)
+def _merge2(a, b):  # type: ignore[no-untyped-def]
+    return _mix(_mix(a ^ _LT2) + _mix(b ^ _RT2) * _M2)
+
+
+@njit(cache=True)
+def _level(s1, s2, d1, d2, n):  # type: ignore[no-untyped-def]
+    """One tree level: ``d_k[i] = merge_k(s_k[2i], s_k[2i+1])`` for ``i < n``."""
+    for i in range(n):
+        d1[i] = _merge1(s1[2 * i], s1[2 * i + 1])
+        d2[i] = _merge2(s2[2 * i], s2[2 * i + 1])
+
+
+@njit(cache=True)
+def _fold(src1, src2, a1, a2, b1, b2):  # type: ignore[no-untyped-def]
+    """Fold ``src1`` through channel 1 and ``src2`` through channel 2 to their roots.
+
+    Both hold the same power-of-two count (>= 2) of words; for data they are the
+    same array. ``a*``/``b*`` are ping-pong scratch of at least half that many.
+    """
+    n = src1.shape[0] // 2
+    _level(src1, src2, a1, a2, n)
+    while n > 1:
+        n //= 2
+        _level(a1, a2, b1, b2, n)
+        a1, b1 = b1, a1
+        a2, b2 = b2, a2
+    return a1[0], a2[0]
+
+
+@njit(cache=True)
+def _zero_roots(levels):  # type: ignore[no-untyped-def]
+    """Roots of all-zero perfect trees of height 0..levels, per channel."""
+    z = np.zeros((2, levels + 1), dtype=np.uint64)
+    for h in range(levels):
+        z[0, h + 1] = _merge1(z[0, h], z[0, h])
+        z[1, h + 1] = _merge2(z[1, h], z[1, h])
+    return z
+
+
+@njit(parallel=True, cache=True)
+def _digest(lanes, s1, s2):  # type: ignore[no-untyped-def]
+    n = lanes.shape[0]
+    nchunks = max(1, (n + _CHUNK - 1) // _CHUNK)
+    full = nchunks - 1  # chunks of exactly _CHUNK lanes
+    last = n - full * _CHUNK  # lanes in the last chunk (0 for an empty tensor)
+    w = 2
+    while w < last:
+        w *= 2
+    last_blocks = w // BLOCK if w > BLOCK else 0  # a small last chunk is folded whole
+    nblocks = full * _PER_CHUNK + last_blocks
+    zero = _zero_roots(_LOG_BLOCK)
+    roots1 = np.empty(nblocks, dtype=np.uint64)
+    roots2 = np.empty(nblocks, dtype=np.uint64)
+    ntasks = (nblocks + _GROUP - 1) // _GROUP
+    for t in prange(ntasks):
+        a1 = np.empty(BLOCK // 2, dtype=np.uint64)
+        a2 = np.empty(BLOCK // 2, dtype=np.uint64)
+        b1 = np.empty(BLOCK // 2, dtype=np.uint64)
+        b2 = np.empty(BLOCK // 2, dtype=np.uint64)
+        for j in range(t * _GROUP, min(nblocks, (t + 1) * _GROUP)):
+            start = j * BLOCK
+            if start + BLOCK <= n:
+                src = lanes[start : start + BLOCK]
+                roots1[j], roots2[j] = _fold(src, src, a1, a2, b1, b2)
+            elif start >= n:  # all padding: the root of an all-zero subtree
+                roots1[j] = zero[0, _LOG_BLOCK]
+                roots2[j] = zero[1, _LOG_BLOCK]
+            else:
+                pad = np.zeros(BLOCK, dtype=np.uint64)
+                pad[: n - start] = lanes[start:n]
+                roots1[j], roots2[j] = _fold(pad, pad, a1, a2, b1, b2)
+    half = max(_PER_CHUNK, w) // 2
+    a1 = np.empty(half, dtype=np.uint64)
+    a2 = np.empty(half, dtype=np.uint64)
+    b1 = np.empty(half, dtype=np.uint64)
+    b2 = np.empty(half, dtype=np.uint64)
+    c1 = s1
+    c2 = s2
+    for c in range(nchunks):
+        if c < full or last_blocks > 0:
+            lo = c * _PER_CHUNK
+            hi = lo + (_PER_CHUNK if c < full else last_blocks)
+            r1, r2 = _fold(roots1[lo:hi], roots2[lo:hi], a1, a2, b1, b2)
+        else:
+            tail = np.zeros(w, dtype=np.uint64)
+            tail[:last] = lanes[full * _CHUNK : n]
+            r1, r2 = _fold(tail, tail, a1, a2, b1, b2)
+        c1 = _mix(c1 * _CH + r1)
+        c2 = _mix(c2 * _CH + r2)
+    return _mix(c1), _mix(c2)
+
+
+def lanes_digest(lanes: np.ndarray, seed: tuple[int, int]) -> tuple[int, int]:
+    """The two digest words (unsigned ints) of a ``uint64`` lane array."""
+    d1, d2 = _digest(lanes, _U(seed[0]), _U(seed[1]))
+    return int(d1), int(d2)
+
+
+def set_threads(n: int) -> None:
+    """Threads the kernel may use (at most the cores numba found)."""
+    numba.set_num_threads(n)

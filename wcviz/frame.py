@@ -1,0 +1,234 @@
+"""The digest table: one tidy schema that every source produces and every view reads.
+
+One row per (rank, parameter, phase). Columns, in order:
+
+============  ========  ==========================================================
+column        dtype     meaning
+============  ========  ==========================================================
+name          str       parameter name as its holder calls it
+digest        str       lowercase hex digest (32 chars for nemo-rl-v3, 64 for sha256)
+algo          str       algorithm that made ``digest``: ``nemo-rl-v3``, ``sha256``, ...
+dtype         str       PyTorch dtype without ``torch.`` (``bfloat16``)
+shape         str       JSON list of dims: ``[4096, 4096]``; ``[]`` for a 0-d tensor
+nbytes        Int64     ``numel * element_size``
+role          str       who holds it: ``trainer``, ``engine``, ``checkpoint``, ``module``
+rank          Int64     global rank within the role's world (NA when not a rank)
+dp, pp, tp,   Int64     data-, pipeline-, tensor-, expert-parallel coordinates (NA if
+ep                      unknown); rank identity comes from these, never list order
+host          str       host name the rank runs on
+device        str       device the tensor was digested on (``cpu``, ``cuda:3``)
+layer         Int64     transformer layer parsed from the name (``layers.N``, ``h.N``,
+                        ``blocks.N``, ``decoder.layers.N``, ...), NA elsewhere
+block         str       embed, attn, mlp, norm, head, expert, router or other
+expert        Int64     expert index parsed from ``experts.N``, NA elsewhere
+phase         str       when it was taken: ``current``, ``snapshot``, ``reset``,
+                        ``reload``, ``sent``, ``received``, ...
+step          Int64     training step the weights belong to, if known
+seconds       float64   what digesting this tensor cost on that rank
+============  ========  ==========================================================
+
+Missing strings are NA (never ``""``), so a table survives CSV, parquet and JSON
+unchanged: :func:`write_table` / :func:`read_table` roundtrip exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from wcviz._errors import TableError
+
+__all__ = [
+    "COLUMNS",
+    "IDENTITY",
+    "RANK_FIELDS",
+    "empty_frame",
+    "make_frame",
+    "validate",
+    "parse_layer",
+    "parse_block",
+    "parse_expert",
+    "shape_str",
+    "read_table",
+    "write_table",
+    "TABLE_SUFFIXES",
+]
+
+_STR = "string"
+COLUMNS: dict[str, str] = {
+    "name": _STR,
+    "digest": _STR,
+    "algo": _STR,
+    "dtype": _STR,
+    "shape": _STR,
+    "nbytes": "Int64",
+    "role": _STR,
+    "rank": "Int64",
+    "dp": "Int64",
+    "pp": "Int64",
+    "tp": "Int64",
+    "ep": "Int64",
+    "host": _STR,
+    "device": _STR,
+    "layer": "Int64",
+    "block": _STR,
+    "expert": "Int64",
+    "phase": _STR,
+    "step": "Int64",
+    "seconds": "float64",
+}
+REQUIRED = ("name", "digest", "algo")
+IDENTITY = ("rank", "dp", "pp", "tp", "ep")  # which rank a row belongs to
+RANK_FIELDS = ("role", "rank", "dp", "pp", "tp", "ep", "host", "phase", "step")  # what a source may be told
+BLOCKS = ("embed", "attn", "mlp", "norm", "head", "expert", "router", "other")
+TABLE_SUFFIXES = (".csv", ".parquet", ".json")
+
+_LAYER = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks|block)\.(\d+)(?:\.|$)")
+_EXPERT = re.compile(r"(?:^|\.)experts\.(\d+)(?:\.|$)")
+_ROUTER = re.compile(r"(?:^|\.)(?:router|gate)(?:\.(?:weight|bias|e_score_correction_bias))?$|\.router\.|shared_expert_gate")
+_NORM = re.compile(r"norm|(?:^|\.)ln_?\w*(?:\.|$)|layernorm")
+_EMBED = re.compile(r"embed|(?:^|\.)(?:wte|wpe|tok_embeddings|word_embeddings)(?:\.|$)")
+_HEAD = re.compile(r"(?:^|\.)(?:lm_head|output|head|score)(?:\.|$)")
+_ATTN = re.compile(r"attn|attention|(?:^|\.)(?:q_proj|k_proj|v_proj|o_proj|qkv_proj|wq|wk|wv|wo|c_attn)(?:\.|$)")
+_MLP = re.compile(r"mlp|feed_forward|ffn|(?:^|\.)(?:gate_proj|up_proj|down_proj|gate_up_proj|fc1|fc2|c_fc|w1|w2|w3)(?:\.|$)")
+
+
+def parse_layer(name: str) -> int | None:
+    """Layer index from ``layers.N`` / ``h.N`` / ``blocks.N`` / ``layer.N``; the last wins."""
+    found = _LAYER.findall(name)
+    return int(found[-1]) if found else None
+
+
+def parse_expert(name: str) -> int | None:
+    """Expert index from ``experts.N``."""
+    m = _EXPERT.search(name)
+    return int(m.group(1)) if m else None
+
+
+def parse_block(name: str) -> str:
+    """Which part of the model a parameter belongs to (one of ``BLOCKS``)."""
+    if _EXPERT.search(name):
+        return "expert"
+    for block, pattern in (("router", _ROUTER), ("norm", _NORM), ("embed", _EMBED), ("attn", _ATTN), ("mlp", _MLP), ("head", _HEAD)):
+        if pattern.search(name):
+            return block
+    return "other"
+
+
+def shape_str(shape: Sequence[int]) -> str:
+    """The table form of a shape: a JSON list."""
+    return json.dumps([int(d) for d in shape])
+
+
+def empty_frame() -> pd.DataFrame:
+    """A frame with every column and no rows."""
+    return pd.DataFrame({c: pd.Series(dtype=t) for c, t in COLUMNS.items()})
+
+
+def make_frame(rows: Iterable[Mapping[str, Any]]) -> pd.DataFrame:
+    """A schema-conforming frame from row dicts; missing columns become NA.
+
+    ``layer``, ``block`` and ``expert`` are parsed from ``name`` when a row does
+    not give them.
+    """
+    records = []
+    for row in rows:
+        unknown = set(row) - set(COLUMNS)
+        if unknown:
+            raise TableError(f"unknown column(s) {', '.join(sorted(unknown))}; the schema has {', '.join(COLUMNS)}")
+        rec = dict(row)
+        name = str(rec["name"])
+        rec.setdefault("layer", parse_layer(name))
+        rec.setdefault("block", parse_block(name))
+        rec.setdefault("expert", parse_expert(name))
+        records.append(rec)
+    if not records:
+        return empty_frame()
+    return _coerce(pd.DataFrame.from_records(records), source="rows")
+
+
+def _coerce(df: pd.DataFrame, source: str) -> pd.DataFrame:
+    """Cast to the schema's dtypes and column order, or raise naming the column."""
+    out = {}
+    for col, dtype in COLUMNS.items():
+        if col not in df:
+            out[col] = pd.Series(pd.NA if dtype != "float64" else float("nan"), index=df.index, dtype=dtype)
+            continue
+        s = df[col]
+        try:
+            if dtype == _STR:
+                s = s.astype("object").where(s.notna(), None).astype(_STR)
+                s = s.mask(s == "")
+            elif dtype == "Int64":
+                s = pd.to_numeric(s, errors="raise").astype("Int64")
+            else:
+                s = pd.to_numeric(s, errors="raise").astype("float64")
+        except (TypeError, ValueError) as e:
+            raise TableError(f"{source}: column {col!r} cannot be read as {dtype}: {e}") from None
+        out[col] = s
+    extra = [c for c in df.columns if c not in COLUMNS]
+    frame = pd.DataFrame(out, index=df.index)
+    for c in extra:  # extra columns ride along untouched (a user's annotations)
+        frame[c] = df[c]
+    return frame.reset_index(drop=True)
+
+
+def validate(df: pd.DataFrame, source: str = "table") -> pd.DataFrame:
+    """Check a frame against the schema and return it coerced; errors name the column."""
+    if not isinstance(df, pd.DataFrame):
+        raise TableError(f"{source}: expected a pandas DataFrame, got {type(df).__name__}")
+    missing = [c for c in REQUIRED if c not in df.columns]
+    if missing:
+        raise TableError(f"{source}: missing required column(s) {', '.join(missing)}")
+    frame = _coerce(df, source)
+    for col in REQUIRED:
+        if frame[col].isna().any():
+            first = int(frame.index[frame[col].isna()][0])
+            raise TableError(f"{source}: column {col!r} is empty in row {first}")
+    bad = frame.loc[frame["block"].notna() & ~frame["block"].isin(BLOCKS), "block"]
+    if len(bad):
+        raise TableError(f"{source}: column 'block' has {bad.iloc[0]!r}; expected one of {', '.join(BLOCKS)}")
+    return frame
+
+
+def write_table(df: pd.DataFrame, path: str | Path) -> Path:
+    """Write a frame as CSV, parquet or JSON (by suffix); :func:`read_table` reads it back unchanged."""
+    path = Path(path)
+    frame = validate(df)
+    suffix = path.suffix.lower()
+    if suffix == ".csv":
+        frame.to_csv(path, index=False)
+    elif suffix == ".parquet":
+        frame.to_parquet(path, index=False)
+    elif suffix == ".json":
+        path.write_text(frame.to_json(orient="records", indent=1))
+    else:
+        raise TableError(f"{path}: unknown table format {suffix or '(no suffix)'}; use one of {', '.join(TABLE_SUFFIXES)}")
+    return path
+
+
+def read_table(path: str | Path) -> pd.DataFrame:
+    """Read a table written by :func:`write_table` (or any file with the required columns)."""
+    path = Path(path)
+    suffix = path.suffix.lower()
+    if not path.is_file():
+        raise TableError(f"{path}: no such file")
+    try:
+        if suffix == ".csv":
+            df = pd.read_csv(path, dtype={c: ("object" if t == _STR else t) for c, t in COLUMNS.items()}, keep_default_na=False, na_values=[""])
+        elif suffix == ".parquet":
+            df = pd.read_parquet(path)
+        elif suffix == ".json":
+            df = pd.DataFrame.from_records(json.loads(path.read_text()))
+        else:
+            raise TableError(f"{path}: unknown table format {suffix or '(no suffix)'}; use one of {', '.join(TABLE_SUFFIXES)}")
+    except TableError:
+        raise
+    except Exception as e:  # pandas/pyarrow/json errors, reworded with the file's name
+        raise TableError(f"{path}: not a readable {suffix[1:]} table: {e}") from None
+    return validate(df, source=str(path))

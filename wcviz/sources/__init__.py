@@ -1,0 +1,8 @@
+"""Sources turn something that holds weights into a digest table (see :mod:`wcviz.frame`)."""
+
+from __future__ import annotations
+
+from wcviz.sources._safetensors import from_safetensors
+from wcviz.sources._tensors import from_module, from_named_tensors, from_state_dict
+
+__all__ = ["from_module", "from_named_tensors", "from_safetensors", "from_state_dict"]

@@ -1,0 +1,251 @@
+"""Digest tables straight from safetensors checkpoints, one tensor in memory at a time.
+
+The format is parsed here rather than through the ``safetensors`` package so
+that every way a file can be wrong (truncated, a header that lies about its
+offsets, an unknown dtype) becomes an error naming the file and the tensor.
+All headers are checked before any tensor is read, and a table is returned
+only when every tensor was digested: never a partial table.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from wcviz._errors import CheckpointError
+from wcviz.digest import DEFAULT_ALGO, digest_buffer, parse_dtype
+from wcviz.frame import make_frame, shape_str
+from wcviz.sources._tensors import check_rank_info
+
+__all__ = ["from_safetensors", "TensorEntry", "read_header", "checkpoint_files", "DTYPES"]
+
+# safetensors dtype codes -> PyTorch dtype names (the digest hashes PyTorch's name).
+DTYPES: dict[str, str] = {
+    "BOOL": "bool",
+    "U8": "uint8",
+    "I8": "int8",
+    "U16": "uint16",
+    "I16": "int16",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "U32": "uint32",
+    "I32": "int32",
+    "F32": "float32",
+    "U64": "uint64",
+    "I64": "int64",
+    "F64": "float64",
+    "C64": "complex64",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+    "F8_E8M0": "float8_e8m0fnu",
+}
+_MAX_HEADER = 100 * 1024 * 1024  # the format's own limit
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor as a checkpoint's header declares it (offsets absolute in the file)."""
+
+    name: str
+    file: Path
+    dtype: str  # PyTorch name, without "torch."
+    shape: tuple[int, ...]
+    start: int
+    nbytes: int
+
+
+def read_header(path: str | Path) -> list[TensorEntry]:
+    """Parse and check one file's header; entries in file order."""
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise CheckpointError(f"{path}: truncated: {size} bytes, too short for a safetensors header")
+            (hlen,) = struct.unpack("<Q", head)
+            if hlen > min(_MAX_HEADER, size - 8):
+                raise CheckpointError(f"{path}: header length {hlen} exceeds the file ({size} bytes): truncated or not safetensors")
+            raw = f.read(hlen)
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read: {e.strerror or e}") from None
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: header is not valid JSON ({e}): corrupt or not safetensors") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: header is a JSON {type(header).__name__}, not an object")
+    data_start = 8 + hlen
+    data_size = size - data_start
+    entries = [_entry(path, name, spec, data_start, data_size) for name, spec in header.items() if name != "__metadata__"]
+    entries.sort(key=lambda e: e.start)
+    for a, b in zip(entries, entries[1:]):
+        if b.start < a.start + a.nbytes:
+            raise CheckpointError(f"{path}: header lies: tensors {a.name!r} and {b.name!r} overlap in the file")
+    return entries
+
+
+def _entry(path: Path, name: str, spec: Any, data_start: int, data_size: int) -> TensorEntry:
+    where = f"{path}: tensor {name!r}"
+    if not isinstance(spec, dict) or not {"dtype", "shape", "data_offsets"} <= set(spec):
+        raise CheckpointError(f"{where}: header entry needs dtype, shape and data_offsets, got {spec!r:.120}")
+    code = spec["dtype"]
+    if code not in DTYPES:
+        raise CheckpointError(f"{where}: unknown dtype {code!r}; wcviz reads {', '.join(DTYPES)}")
+    shape, offsets = spec["shape"], spec["data_offsets"]
+    if not (isinstance(shape, list) and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)):
+        raise CheckpointError(f"{where}: shape {shape!r} is not a list of non-negative ints")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)):
+        raise CheckpointError(f"{where}: data_offsets {offsets!r} is not [begin, end]")
+    begin, end = offsets
+    nbytes = math.prod(shape) * parse_dtype(DTYPES[code]).itemsize
+    if not 0 <= begin <= end:
+        raise CheckpointError(f"{where}: header lies: data_offsets {offsets} are not increasing")
+    if end - begin != nbytes:
+        raise CheckpointError(f"{where}: header lies: {code} {shape} is {nbytes} bytes but data_offsets {offsets} span {end - begin}")
+    if end > data_size:
+        raise CheckpointError(f"{where}: truncated or header lies: data ends at byte {end} but the file holds {data_size} bytes of data")
+    return TensorEntry(name, path, DTYPES[code], tuple(shape), data_start + begin, nbytes)
+
+
+def checkpoint_files(path: str | Path) -> list[Path]:
+    """The safetensors files of a checkpoint: the file itself, or a directory's shards.
+
+    A directory with an ``*.safetensors.index.json`` uses the files its weight
+    map names (and checks they exist); otherwise every ``*.safetensors`` in it.
+    """
+    path = Path(path)
+    if path.is_file():
+        return [path]
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: no such file or directory")
+    indexes = sorted(path.glob("*.safetensors.index.json"))
+    if len(indexes) > 1:
+        raise CheckpointError(f"{path}: several index files ({', '.join(p.name for p in indexes)}); point at one shard set")
+    if indexes:
+        weight_map = _weight_map(indexes[0])
+        files = sorted({path / f for f in weight_map.values()})
+        for f in files:
+            if not f.is_file():
+                raise CheckpointError(f"{indexes[0]}: lists shard {f.name!r}, which is missing from {path}")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{path}: directory has no *.safetensors files")
+    return files
+
+
+def _weight_map(index: Path) -> dict[str, str]:
+    try:
+        data = json.loads(index.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{index}: not a readable index ({e})") from None
+    wm = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(wm, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in wm.items()):
+        raise CheckpointError(f"{index}: has no weight_map of tensor name -> file name")
+    if not wm:
+        raise CheckpointError(f"{index}: weight_map is empty: no weights")
+    return wm
+
+
+def _entries(path: Path) -> list[TensorEntry]:
+    """Every tensor of a checkpoint, headers cross-checked against each other and the index."""
+    files = checkpoint_files(path)
+    entries: list[TensorEntry] = []
+    seen: dict[str, Path] = {}
+    for f in files:
+        for e in read_header(f):
+            if e.name in seen:
+                raise CheckpointError(f"{path}: tensor {e.name!r} is in both {seen[e.name].name} and {f.name}")
+            seen[e.name] = f
+            entries.append(e)
+    if path.is_dir():
+        index = next(iter(sorted(path.glob("*.safetensors.index.json"))), None)
+        if index is not None:
+            wm = _weight_map(index)
+            for name, fname in wm.items():
+                if name not in seen:
+                    raise CheckpointError(f"{index}: lists tensor {name!r} in {fname}, which does not hold it")
+                if seen[name].name != fname:
+                    raise CheckpointError(f"{index}: lists tensor {name!r} in {fname}, but it is in {seen[name].name}")
+            extra = sorted(set(seen) - set(wm))
+            if extra:
+                raise CheckpointError(f"{index}: does not list tensor(s) {', '.join(extra[:5])} found in the shards")
+    if not entries:
+        raise CheckpointError(f"{path}: holds no tensors")
+    return entries
+
+
+def _read(f: Any, e: TensorEntry) -> np.ndarray:
+    """The tensor's bytes, zero-padded to a multiple of 8 (what the digest folds)."""
+    buf = np.zeros((e.nbytes + 7) // 8 * 8, dtype=np.uint8)
+    f.seek(e.start)
+    got = f.readinto(memoryview(buf)[: e.nbytes])
+    if got != e.nbytes:
+        raise CheckpointError(f"{e.file}: tensor {e.name!r}: truncated: read {got} of {e.nbytes} bytes")
+    return buf
+
+
+def from_safetensors(
+    path: str | Path,
+    *,
+    algo: str = DEFAULT_ALGO,
+    backend: str = "auto",
+    progress: bool | None = None,
+    **rank_info: Any,
+) -> pd.DataFrame:
+    """A digest table of a safetensors file or a directory of shards (index or not).
+
+    Reads lazily: one tensor's bytes in memory at a time. Digests equal those of
+    the same tensors loaded into PyTorch. Rows are in file order, shard by shard.
+    """
+    from tqdm.auto import tqdm
+
+    info = check_rank_info(rank_info)
+    info.setdefault("role", "checkpoint")
+    info.setdefault("phase", "current")
+    path = Path(path)
+    entries = _entries(path)
+    rows = []
+    bar = tqdm(total=sum(e.nbytes for e in entries), unit="B", unit_scale=True, desc=path.name, disable=not progress if progress is not None else None)
+    try:
+        handles: dict[Path, Any] = {}
+        try:
+            for e in entries:
+                f = handles.get(e.file) or handles.setdefault(e.file, open(e.file, "rb"))
+                buf = _read(f, e)
+                t0 = time.perf_counter()
+                d = digest_buffer(buf, e.dtype, e.shape, algo=algo, backend=backend, name=e.name)
+                rows.append(
+                    {
+                        "name": e.name,
+                        "digest": str(d),
+                        "algo": d.algo,
+                        "dtype": e.dtype,
+                        "shape": shape_str(e.shape),
+                        "nbytes": e.nbytes,
+                        "device": "cpu",
+                        "seconds": time.perf_counter() - t0,
+                        **info,
+                    }
+                )
+                del buf
+                bar.update(e.nbytes)
+        finally:
+            for f in handles.values():
+                f.close()
+    except OSError as err:
+        raise CheckpointError(f"{path}: read failed: {err.strerror or err}") from None
+    finally:
+        bar.close()
+    return make_frame(rows)
+
+
