@@ -55,6 +55,11 @@ def _broadcast(expected: pd.DataFrame, actual: pd.DataFrame) -> pd.DataFrame:
     return expected.drop(columns=ids).merge(ranks, how="cross")
 
 
+def _differs(m: pd.DataFrame, col: str) -> pd.Series:
+    left, right = m[f"{col}_expected"], m[f"{col}_actual"]
+    return (left.notna() & right.notna() & (left != right)).fillna(False).astype(bool)
+
+
 def compare(expected: pd.DataFrame, actual: pd.DataFrame) -> pd.DataFrame:
     """One verdict per (rank identity, name), most severe first, both digests side by side.
 
@@ -75,7 +80,8 @@ def compare(expected: pd.DataFrame, actual: pd.DataFrame) -> pd.DataFrame:
     right = act[keys + side + ["host", "layer", "block", "expert"]]
     m = left.merge(right, on=keys, how="outer", suffixes=("_expected", "_actual"), indicator=True)
     both = m["_merge"] == "both"
-    same_kind = (m["dtype_expected"] == m["dtype_actual"]) & (m["shape_expected"] == m["shape_actual"])
+    # drift needs both sides to state a dtype/shape and disagree: a table that omits them (NA) is not drift
+    same_kind = ~(_differs(m, "dtype") | _differs(m, "shape"))
     same_digest = m["digest_expected"].str.lower() == m["digest_actual"].str.lower()
     status = pd.Series("missing", index=m.index, dtype="string")
     status[m["_merge"] == "right_only"] = "unexpected"

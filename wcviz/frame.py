@@ -91,11 +91,15 @@ TABLE_SUFFIXES = (".csv", ".parquet", ".json")
 _LAYER = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks|block)\.(\d+)(?:\.|$)")
 _EXPERT = re.compile(r"(?:^|\.)experts\.(\d+)(?:\.|$)")
 _ROUTER = re.compile(r"(?:^|\.)(?:router|gate)(?:\.(?:weight|bias|e_score_correction_bias))?$|\.router\.|shared_expert_gate")
-_NORM = re.compile(r"norm|(?:^|\.)ln_?\w*(?:\.|$)|layernorm")
+_EXPERTS = re.compile(r"(?:^|\.)experts\.")  # also fused experts.gate_up_proj etc. (no index)
+_NORM = re.compile(r"(?i:norm)|(?:^|\.)ln_?\w*(?:\.|$)")  # (?i) for BERT's LayerNorm
 _EMBED = re.compile(r"embed|(?:^|\.)(?:wte|wpe|tok_embeddings|word_embeddings)(?:\.|$)")
-_HEAD = re.compile(r"(?:^|\.)(?:lm_head|output|head|score)(?:\.|$)")
+_HEAD = re.compile(r"(?:^|\.)(?:lm_head|output|head|score|cls|classifier)(?:\.|$)")
 _ATTN = re.compile(r"attn|attention|(?:^|\.)(?:q_proj|k_proj|v_proj|o_proj|qkv_proj|wq|wk|wv|wo|c_attn)(?:\.|$)")
-_MLP = re.compile(r"mlp|feed_forward|ffn|(?:^|\.)(?:gate_proj|up_proj|down_proj|gate_up_proj|fc1|fc2|c_fc|w1|w2|w3)(?:\.|$)")
+_MLP = re.compile(
+    r"mlp|feed_forward|ffn|(?:^|\.)(?:gate_proj|up_proj|down_proj|gate_up_proj|fc1|fc2|c_fc|w1|w2|w3|intermediate)(?:\.|$)"
+    r"|(?:^|\.)output\.dense(?:\.|$)"  # BERT: layer.N.output.dense is the MLP's second linear
+)
 
 
 def parse_layer(name: str) -> int | None:
@@ -112,7 +116,7 @@ def parse_expert(name: str) -> int | None:
 
 def parse_block(name: str) -> str:
     """Which part of the model a parameter belongs to (one of ``BLOCKS``)."""
-    if _EXPERT.search(name):
+    if _EXPERTS.search(name):
         return "expert"
     for block, pattern in (("router", _ROUTER), ("norm", _NORM), ("embed", _EMBED), ("attn", _ATTN), ("mlp", _MLP), ("head", _HEAD)):
         if pattern.search(name):
@@ -206,10 +210,20 @@ def write_table(df: pd.DataFrame, path: str | Path) -> Path:
     elif suffix == ".parquet":
         frame.to_parquet(path, index=False)
     elif suffix == ".json":
-        path.write_text(frame.to_json(orient="records", indent=1))
+        path.write_text(_to_json(frame))
     else:
         raise TableError(f"{path}: unknown table format {suffix or '(no suffix)'}; use one of {', '.join(TABLE_SUFFIXES)}")
     return path
+
+
+def _to_json(frame: pd.DataFrame) -> str:
+    """JSON records with NA as null and floats written exactly (``to_json`` keeps only 10 digits)."""
+    records = frame.to_dict(orient="records")
+    for rec in records:
+        for k, v in rec.items():
+            if v is pd.NA or (isinstance(v, float) and v != v):
+                rec[k] = None
+    return json.dumps(records, indent=1, default=lambda o: o.item() if hasattr(o, "item") else str(o))
 
 
 def read_table(path: str | Path) -> pd.DataFrame:
@@ -220,11 +234,15 @@ def read_table(path: str | Path) -> pd.DataFrame:
         raise TableError(f"{path}: no such file")
     try:
         if suffix == ".csv":
-            df = pd.read_csv(path, dtype={c: ("object" if t == _STR else t) for c, t in COLUMNS.items()}, keep_default_na=False, na_values=[""])
+            try:
+                df = pd.read_csv(path, dtype={c: ("object" if t == _STR else t) for c, t in COLUMNS.items()}, keep_default_na=False, na_values=[""])
+            except (TypeError, ValueError):  # a value its column cannot hold: read as text so validate names the column
+                df = pd.read_csv(path, dtype="object", keep_default_na=False, na_values=[""])
         elif suffix == ".parquet":
             df = pd.read_parquet(path)
         elif suffix == ".json":
-            df = pd.DataFrame.from_records(json.loads(path.read_text()))
+            records = json.loads(path.read_text())
+            df = empty_frame() if records == [] else pd.DataFrame.from_records(records)
         else:
             raise TableError(f"{path}: unknown table format {suffix or '(no suffix)'}; use one of {', '.join(TABLE_SUFFIXES)}")
     except TableError:

@@ -168,34 +168,32 @@ def digest_timed(
 ) -> dict[str, tuple[Digest, float]]:
     """Like :func:`digest_many`, with the seconds each digest cost.
 
-    On the CPU each tensor is timed alone. On an accelerator, timing one tensor
-    would need a sync per tensor, so the device's total (one sync) is shared
-    out in proportion to bytes.
+    Host-side backends (numba, sha256) are timed tensor by tensor. The torch
+    backend queues every tensor of a device and syncs once at the end, since
+    timing one tensor would need a sync per tensor; the device's total is
+    shared out in proportion to bytes.
     """
     from tqdm.auto import tqdm
 
     _check_algo(algo)
     items = _pairs(named_tensors)
-    for name, t in items:  # fail on bad input before any work is done
+    chosen = {}
+    for name, t in items:  # every input is checked before any work is done
         _lanes.check_digestible(t, name)
-        resolve_backend(backend, t.device.type, name)
+        chosen[name] = "host" if algo == "sha256" else resolve_backend(backend, t.device.type, name)
     out: dict[str, tuple[Digest, float]] = {}
-    pending: dict[Any, list[tuple[str, torch.Tensor, int]]] = {}
+    queued: dict[Any, list[tuple[str, torch.Tensor, int]]] = {}
     started: dict[Any, float] = {}
-    for name, t in tqdm(items, desc="digest", unit="tensor", disable=not progress):
-        if algo == "sha256":
-            t0 = time.perf_counter()
-            d = _sha256_of(t, name)
-            out[name] = (d, time.perf_counter() - t0)
-        elif t.device.type == "cpu":
-            t0 = time.perf_counter()
-            d = _hex_words(tensor_digest(t, backend=backend, name=name).tolist())
-            out[name] = (d, time.perf_counter() - t0)
-        else:
+    for name, t in tqdm(items, desc="digest", unit="tensor", disable=not progress if progress is not None else None):
+        if chosen[name] == "torch":
             started.setdefault(t.device, time.perf_counter())
-            words = tensor_digest(t, backend=backend, name=name)
-            pending.setdefault(t.device, []).append((name, words, t.numel() * t.element_size()))
-    for device, rows in pending.items():
+            words = tensor_digest(t, backend="torch", name=name)
+            queued.setdefault(t.device, []).append((name, words, t.numel() * t.element_size()))
+            continue
+        t0 = time.perf_counter()
+        d = _sha256_of(t, name) if algo == "sha256" else _hex_words(tensor_digest(t, backend=chosen[name], name=name).tolist())
+        out[name] = (d, time.perf_counter() - t0)
+    for device, rows in queued.items():
         import torch
 
         host = _to_host(torch.stack([w for _, w, _ in rows]))  # the one sync for this device

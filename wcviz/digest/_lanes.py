@@ -60,6 +60,8 @@ def logical_bytes(t: torch.Tensor, name: str | None = None) -> torch.Tensor:
         raise DigestError(f"{_label(name)} has dtype {t.dtype} of {t.element_size()} bytes per element, which wcviz cannot read")
     if t.dtype != width:
         t = t.view(width)
+    if t.numel() == 0:  # an empty view may carry stride 0, which view(uint8) rejects
+        return torch.empty(0, dtype=torch.uint8, device=t.device)
     return t.contiguous().reshape(-1).view(torch.uint8)
 
 

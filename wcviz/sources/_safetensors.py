@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from wcviz._errors import CheckpointError
+from wcviz._errors import CheckpointError, DigestError
 from wcviz.digest import DEFAULT_ALGO, digest_buffer, parse_dtype
 from wcviz.frame import make_frame, shape_str
 from wcviz.sources._tensors import check_rank_info
@@ -106,7 +106,11 @@ def _entry(path: Path, name: str, spec: Any, data_start: int, data_size: int) ->
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)):
         raise CheckpointError(f"{where}: data_offsets {offsets!r} is not [begin, end]")
     begin, end = offsets
-    nbytes = math.prod(shape) * parse_dtype(DTYPES[code]).itemsize
+    try:
+        itemsize = parse_dtype(DTYPES[code]).itemsize
+    except DigestError:  # a code this PyTorch has no dtype for (F8_E8M0 before torch 2.7)
+        raise CheckpointError(f"{where}: dtype {code!r} ({DTYPES[code]}) is not supported by this PyTorch") from None
+    nbytes = math.prod(shape) * itemsize
     if not 0 <= begin <= end:
         raise CheckpointError(f"{where}: header lies: data_offsets {offsets} are not increasing")
     if end - begin != nbytes:
@@ -116,27 +120,41 @@ def _entry(path: Path, name: str, spec: Any, data_start: int, data_size: int) ->
     return TensorEntry(name, path, DTYPES[code], tuple(shape), data_start + begin, nbytes)
 
 
+_INDEX = ".safetensors.index.json"
+
+
+def _find_index(path: Path) -> Path | None:
+    """The index a checkpoint path uses: the path itself if it is one, a directory's only one, or None."""
+    if path.is_file():
+        return path if path.name.endswith(_INDEX) else None
+    indexes = sorted(path.glob("*" + _INDEX))
+    if len(indexes) > 1:
+        raise CheckpointError(f"{path}: several index files ({', '.join(p.name for p in indexes)}); point at one shard set")
+    return indexes[0] if indexes else None
+
+
 def checkpoint_files(path: str | Path) -> list[Path]:
     """The safetensors files of a checkpoint: the file itself, or a directory's shards.
 
-    A directory with an ``*.safetensors.index.json`` uses the files its weight
-    map names (and checks they exist); otherwise every ``*.safetensors`` in it.
+    A directory with an ``*.safetensors.index.json`` (or that index file itself)
+    uses the files its weight map names (and checks they exist); otherwise every
+    ``*.safetensors`` in the directory.
     """
     path = Path(path)
-    if path.is_file():
-        return [path]
-    if not path.is_dir():
+    if not path.exists():
         raise CheckpointError(f"{path}: no such file or directory")
-    indexes = sorted(path.glob("*.safetensors.index.json"))
-    if len(indexes) > 1:
-        raise CheckpointError(f"{path}: several index files ({', '.join(p.name for p in indexes)}); point at one shard set")
-    if indexes:
-        weight_map = _weight_map(indexes[0])
-        files = sorted({path / f for f in weight_map.values()})
+    if not path.is_file() and not path.is_dir():
+        raise CheckpointError(f"{path}: not a file or directory")
+    index = _find_index(path)
+    if index is not None:
+        weight_map = _weight_map(index)
+        files = sorted({index.parent / f for f in weight_map.values()})
         for f in files:
             if not f.is_file():
-                raise CheckpointError(f"{indexes[0]}: lists shard {f.name!r}, which is missing from {path}")
+                raise CheckpointError(f"{index}: lists shard {f.name!r}, which is missing from {index.parent}")
         return files
+    if path.is_file():
+        return [path]
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"{path}: directory has no *.safetensors files")
@@ -167,26 +185,29 @@ def _entries(path: Path) -> list[TensorEntry]:
                 raise CheckpointError(f"{path}: tensor {e.name!r} is in both {seen[e.name].name} and {f.name}")
             seen[e.name] = f
             entries.append(e)
-    if path.is_dir():
-        index = next(iter(sorted(path.glob("*.safetensors.index.json"))), None)
-        if index is not None:
-            wm = _weight_map(index)
-            for name, fname in wm.items():
-                if name not in seen:
-                    raise CheckpointError(f"{index}: lists tensor {name!r} in {fname}, which does not hold it")
-                if seen[name].name != fname:
-                    raise CheckpointError(f"{index}: lists tensor {name!r} in {fname}, but it is in {seen[name].name}")
-            extra = sorted(set(seen) - set(wm))
-            if extra:
-                raise CheckpointError(f"{index}: does not list tensor(s) {', '.join(extra[:5])} found in the shards")
+    index = _find_index(path)
+    if index is not None:
+        wm = _weight_map(index)
+        for name, fname in wm.items():
+            if name not in seen:
+                raise CheckpointError(f"{index}: lists tensor {name!r} in {fname}, which does not hold it")
+            if seen[name] != index.parent / fname:
+                raise CheckpointError(f"{index}: lists tensor {name!r} in {fname}, but it is in {seen[name].name}")
+        extra = sorted(set(seen) - set(wm))
+        if extra:
+            raise CheckpointError(f"{index}: does not list tensor(s) {', '.join(extra[:5])} found in the shards")
     if not entries:
         raise CheckpointError(f"{path}: holds no tensors")
     return entries
 
 
 def _read(f: Any, e: TensorEntry) -> np.ndarray:
-    """The tensor's bytes, zero-padded to a multiple of 8 (what the digest folds)."""
-    buf = np.zeros((e.nbytes + 7) // 8 * 8, dtype=np.uint8)
+    """The tensor's bytes, zero-padded to a multiple of 8 (what the digest folds).
+
+    Never a 0-byte array: numpy gives an empty array stride 0, which torch cannot
+    view as int64, so an empty tensor gets 8 bytes of padding.
+    """
+    buf = np.zeros(max((e.nbytes + 7) // 8 * 8, 8), dtype=np.uint8)
     f.seek(e.start)
     got = f.readinto(memoryview(buf)[: e.nbytes])
     if got != e.nbytes:
