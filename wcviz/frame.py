@@ -189,6 +189,11 @@ def validate(df: pd.DataFrame, source: str = "table") -> pd.DataFrame:
     missing = [c for c in REQUIRED if c not in df.columns]
     if missing:
         raise TableError(f"{source}: missing required column(s) {', '.join(missing)}")
+    parsed = {"layer": parse_layer, "block": parse_block, "expert": parse_expert}
+    absent = [c for c in parsed if c not in df.columns]
+    if absent:  # a table from elsewhere: derive them from the names, as make_frame does
+        names = df["name"].astype("object")
+        df = df.assign(**{c: names.map(lambda n, f=parsed[c]: None if pd.isna(n) else f(str(n))) for c in absent})
     frame = _coerce(df, source)
     for col in REQUIRED:
         if frame[col].isna().any():
@@ -242,6 +247,8 @@ def read_table(path: str | Path) -> pd.DataFrame:
             df = pd.read_parquet(path)
         elif suffix == ".json":
             records = json.loads(path.read_text())
+            if not isinstance(records, list):
+                raise TableError(f"{path}: not a table: expected a JSON list of records, got a JSON {type(records).__name__}")
             df = empty_frame() if records == [] else pd.DataFrame.from_records(records)
         else:
             raise TableError(f"{path}: unknown table format {suffix or '(no suffix)'}; use one of {', '.join(TABLE_SUFFIXES)}")

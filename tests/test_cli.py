@@ -1,0 +1,250 @@
+"""The ``wcviz`` command: digest and compare, exit statuses 0 / 1 / 2."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+
+from wcviz.cli import main
+from wcviz.demo import tiny_llama_state_dict, write_sharded
+from wcviz.frame import read_table
+from wcviz.sources import from_safetensors
+
+VICTIM = "model.layers.1.self_attn.k_proj.weight"
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def sd():
+    return tiny_llama_state_dict(layers=2, hidden=16, heads=2, kv_heads=1, vocab=24)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory, sd):
+    return write_sharded(sd, tmp_path_factory.mktemp("cli") / "sent")
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, sd):
+    bad = dict(sd)
+    bad[VICTIM] = sd[VICTIM].clone()
+    bad[VICTIM].view(torch.int16).view(-1)[3] ^= 1
+    return write_sharded(bad, tmp_path_factory.mktemp("cli") / "served")
+
+
+@pytest.fixture(scope="module")
+def truth(ckpt):
+    return from_safetensors(ckpt, progress=False)
+
+
+def _run(capsys, *argv):
+    rc = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def _assert_clean_error(err: str, *fragments: str) -> None:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("wcviz: error: "), err
+    assert "Traceback" not in err
+    for f in fragments:
+        assert f in lines[0], (f, err)
+
+
+# ---------------------------------------------------------------------------- digest
+
+
+def test_digest_table_format(capsys, ckpt, truth):
+    rc, out, _ = _run(capsys, "digest", ckpt, "--no-progress")
+    assert rc == 0
+    for name, digest in zip(truth["name"], truth["digest"]):
+        line = next(ln for ln in out.splitlines() if f" {name} " in f" {ln} ")
+        assert digest in line
+    assert f"{len(truth)} tensors" in out
+    assert f"{int(truth['nbytes'].sum()):,} bytes" in out
+
+
+def test_digest_csv_format(capsys, ckpt, truth):
+    rc, out, _ = _run(capsys, "digest", ckpt, "--format", "csv", "--no-progress")
+    assert rc == 0
+    df = pd.read_csv(io.StringIO(out), dtype=str)
+    assert df["name"].tolist() == truth["name"].tolist()
+    assert df["digest"].tolist() == truth["digest"].tolist()
+
+
+def test_digest_json_format(capsys, ckpt, truth):
+    rc, out, _ = _run(capsys, "digest", ckpt, "--format", "json", "--no-progress")
+    assert rc == 0
+    records = json.loads(out)
+    assert [r["name"] for r in records] == truth["name"].tolist()
+    assert [r["digest"] for r in records] == truth["digest"].tolist()
+    assert {r["algo"] for r in records} == {"nemo-rl-v3"}
+
+
+@pytest.mark.parametrize("suffix", [".csv", ".parquet", ".json"])
+def test_digest_out_roundtrips_through_read_table(capsys, tmp_path, ckpt, truth, suffix):
+    out_file = tmp_path / f"digests{suffix}"
+    rc, out, err = _run(capsys, "digest", ckpt, "--out", out_file, "--no-progress")
+    assert rc == 0 and out == ""
+    assert str(out_file) in err
+    back = read_table(out_file)
+    pd.testing.assert_frame_equal(back.drop(columns="seconds"), truth.drop(columns="seconds"))
+    assert (back["seconds"] >= 0).all()
+
+
+def test_digest_sha256(capsys, tmp_path, ckpt):
+    out_file = tmp_path / "sha.csv"
+    rc, _, _ = _run(capsys, "digest", ckpt, "--algo", "sha256", "--out", out_file, "--no-progress")
+    assert rc == 0
+    back = read_table(out_file)
+    ref = from_safetensors(ckpt, algo="sha256", progress=False)
+    assert set(back["algo"]) == {"sha256"}
+    assert back["digest"].tolist() == ref["digest"].tolist()
+    assert all(len(d) == 64 for d in back["digest"])
+
+
+def test_digest_of_a_single_file(capsys, tmp_path, sd):
+    from safetensors.torch import save_file
+
+    p = tmp_path / "one.safetensors"
+    save_file({"w": sd["lm_head.weight"]}, str(p))
+    rc, out, _ = _run(capsys, "digest", p, "--format", "csv", "--no-progress")
+    assert rc == 0
+    assert pd.read_csv(io.StringIO(out), dtype=str)["digest"].tolist() == from_safetensors(p, progress=False)["digest"].tolist()
+
+
+def test_digest_bad_input_exits_2(capsys, tmp_path):
+    p = tmp_path / "broken.safetensors"
+    p.write_bytes(b"\x00\x01")
+    rc, out, err = _run(capsys, "digest", p, "--no-progress")
+    assert rc == 2 and out == ""
+    _assert_clean_error(err, str(p))
+
+
+def test_digest_unknown_out_suffix_writes_text(capsys, tmp_path, ckpt, truth):
+    out_file = tmp_path / "digests.txt"
+    rc, _, _ = _run(capsys, "digest", ckpt, "--out", out_file, "--no-progress")
+    assert rc == 0
+    text = out_file.read_text()
+    assert all(d in text for d in truth["digest"])
+
+
+# ---------------------------------------------------------------------------- compare
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory, truth):
+    from wcviz.frame import write_table
+
+    d = tmp_path_factory.mktemp("saved")
+    return {s: write_table(truth, d / f"sent{s}") for s in (".csv", ".parquet", ".json")}
+
+
+def test_compare_checkpoint_with_itself_exits_0(capsys, ckpt, truth):
+    rc, out, err = _run(capsys, "compare", ckpt, ckpt, "--no-progress")
+    assert rc == 0, (out, err)
+    assert f"{len(truth)} match" in out
+    assert not any(n in out for n in truth["name"])  # matches are not listed without --all
+
+
+@pytest.mark.parametrize("suffix", [".csv", ".parquet", ".json"])
+def test_compare_table_with_checkpoint(capsys, saved, ckpt, served, suffix):
+    rc, out, err = _run(capsys, "compare", saved[suffix], ckpt, "--no-progress")
+    assert rc == 0, (out, err)
+    rc, out, err = _run(capsys, "compare", saved[suffix], served, "--no-progress")
+    assert rc == 1, (out, err)
+    assert VICTIM in out
+    assert "mismatch" in out
+    assert "1 mismatch" in out
+
+
+def test_compare_table_with_table(capsys, tmp_path, saved, served):
+    from wcviz.frame import write_table
+
+    actual = write_table(from_safetensors(served, progress=False), tmp_path / "served.parquet")
+    rc, out, _ = _run(capsys, "compare", saved[".csv"], actual)
+    assert rc == 1 and VICTIM in out
+    rc, out, _ = _run(capsys, "compare", saved[".csv"], saved[".json"])
+    assert rc == 0
+
+
+def test_compare_all_lists_matches_and_out_writes_verdicts(capsys, tmp_path, ckpt, served, truth):
+    out_file = tmp_path / "verdicts.csv"
+    rc, out, _ = _run(capsys, "compare", ckpt, served, "--all", "--out", out_file, "--no-progress")
+    assert rc == 1
+    assert all(n in out for n in truth["name"])
+    verdicts = pd.read_csv(out_file, dtype=str)
+    assert len(verdicts) == len(truth)
+    assert dict(zip(verdicts["name"], verdicts["status"]))[VICTIM] == "mismatch"
+    assert (verdicts["status"] != "match").sum() == 1
+
+
+def test_compare_missing_and_unexpected_exit_1(capsys, tmp_path, truth, saved):
+    from wcviz.frame import write_table
+
+    fewer = write_table(truth.iloc[1:], tmp_path / "fewer.csv")
+    rc, out, _ = _run(capsys, "compare", saved[".csv"], fewer)
+    assert rc == 1 and truth["name"].iloc[0] in out and "missing" in out
+    rc, out, _ = _run(capsys, "compare", fewer, saved[".csv"])
+    assert rc == 1 and truth["name"].iloc[0] in out and "unexpected" in out
+
+
+def test_compare_missing_file_exits_2(capsys, tmp_path, ckpt):
+    for missing in (tmp_path / "nope.csv", tmp_path / "nope-dir"):
+        rc, out, err = _run(capsys, "compare", ckpt, missing, "--no-progress")
+        assert rc == 2 and out == ""
+        _assert_clean_error(err, str(missing))
+
+
+def test_compare_corrupt_checkpoint_exits_2(capsys, tmp_path, ckpt, saved):
+    bad = tmp_path / "bad.safetensors"
+    data = (ckpt / "model-00001-of-00002.safetensors").read_bytes()
+    bad.write_bytes(data[: len(data) // 2])
+    rc, out, err = _run(capsys, "compare", saved[".csv"], bad, "--no-progress")
+    assert rc == 2 and out == ""
+    _assert_clean_error(err, str(bad), "truncated")
+
+
+def test_compare_table_missing_columns_exits_2(capsys, tmp_path, saved):
+    bad = tmp_path / "cols.csv"
+    pd.read_csv(saved[".csv"], dtype=str).drop(columns="digest").to_csv(bad, index=False)
+    rc, out, err = _run(capsys, "compare", bad, saved[".csv"])
+    assert rc == 2 and out == ""
+    _assert_clean_error(err, str(bad), "digest")
+
+
+def test_compare_different_algorithms_exits_2(capsys, tmp_path, ckpt, saved):
+    rc, out, err = _run(capsys, "compare", saved[".csv"], ckpt, "--algo", "sha256", "--no-progress")
+    assert rc == 2 and out == ""
+    _assert_clean_error(err, "sha256", "nemo-rl-v3")
+
+
+def test_unknown_command_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["frobnicate"])
+    assert info.value.code == 2
+
+
+# ---------------------------------------------------------------------------- python -m wcviz
+
+
+def test_module_entry_point_exit_codes(tmp_path, ckpt, served, saved):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    run = lambda *a: subprocess.run([sys.executable, "-m", "wcviz", *map(str, a)], capture_output=True, text=True, env=env, timeout=120)  # noqa: E731
+    differs = run("compare", saved[".csv"], served, "--no-progress")
+    assert differs.returncode == 1, differs.stderr
+    assert VICTIM in differs.stdout
+    bad = run("compare", saved[".csv"], tmp_path / "missing.safetensors", "--no-progress")
+    assert bad.returncode == 2
+    assert bad.stdout == ""
+    assert bad.stderr.startswith("wcviz: error: ") and "Traceback" not in bad.stderr
+    assert "missing.safetensors" in bad.stderr

@@ -1,0 +1,350 @@
+"""The digest-table schema: columns, name parsing, validation and file roundtrips."""
+
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import pytest
+
+from wcviz._errors import TableError, WcvizError
+from wcviz.frame import (
+    COLUMNS,
+    empty_frame,
+    make_frame,
+    parse_block,
+    parse_expert,
+    parse_layer,
+    read_table,
+    shape_str,
+    validate,
+    write_table,
+)
+
+SUFFIXES = (".csv", ".parquet", ".json")
+NULLABLE = [c for c in COLUMNS if c not in ("name", "digest", "algo")]
+
+
+def _full_row(**over):
+    row = {
+        "name": "model.layers.3.self_attn.q_proj.weight",
+        "digest": "0f" * 16,
+        "algo": "nemo-rl-v3",
+        "dtype": "bfloat16",
+        "shape": "[64, 64]",
+        "nbytes": 8192,
+        "role": "engine",
+        "rank": 5,
+        "dp": 1,
+        "pp": 0,
+        "tp": 1,
+        "ep": 0,
+        "host": "node-07",
+        "device": "cuda:1",
+        "phase": "received",
+        "step": 12,
+        "seconds": 0.000123456789012345678,
+    }
+    row.update(over)
+    return row
+
+
+def _all_na_row(name="x"):
+    """Every nullable column NA, layer/block/expert included (given explicitly, so not parsed)."""
+    return {"name": name, "digest": "ab" * 16, "algo": "nemo-rl-v3", **{c: None for c in NULLABLE}}
+
+
+def _tricky_frame():
+    rows = [
+        _full_row(),
+        _all_na_row("model.layers.0.mlp.gate.weight"),
+        # a digest made only of digits, with leading zeros: must stay a string
+        _full_row(name="lm_head.weight", digest="00123456789012345678901234567890", rank=0, nbytes=2**40 + 1),
+        # strings that CSV readers like to turn into NA
+        _full_row(name="NA", digest="0000", host="nan", role="null", phase="None", seconds=0.0),
+    ]
+    return make_frame(rows)
+
+
+# ---------------------------------------------------------------------------- schema
+
+
+def test_make_frame_has_exactly_the_schema_columns_and_dtypes():
+    df = make_frame([_full_row(), _full_row(name="model.norm.weight", rank=6)])
+    assert list(df.columns) == list(COLUMNS)
+    assert {c: str(df[c].dtype) for c in df.columns} == {c: str(pd.Series(dtype=t).dtype) for c, t in COLUMNS.items()}
+    assert len(df) == 2
+    assert df["rank"].tolist() == [5, 6]
+
+
+def test_empty_frame_has_the_schema():
+    df = empty_frame()
+    assert list(df.columns) == list(COLUMNS)
+    assert len(df) == 0
+    assert make_frame([]).columns.tolist() == list(COLUMNS)
+
+
+def test_missing_columns_become_na_not_empty_strings():
+    df = make_frame([{"name": "w", "digest": "00", "algo": "sha256"}])
+    for col in ("dtype", "shape", "role", "host", "device", "phase"):
+        assert df[col].isna().all(), col
+    for col in ("rank", "dp", "pp", "tp", "ep", "step", "nbytes"):
+        assert df[col].isna().all(), col
+    assert df["seconds"].isna().all()
+
+
+def test_empty_strings_are_stored_as_na():
+    df = make_frame([{"name": "w", "digest": "00", "algo": "sha256", "host": ""}])
+    assert df["host"].isna().all()
+
+
+def test_make_frame_rejects_unknown_columns_naming_them():
+    with pytest.raises(TableError, match="colour"):
+        make_frame([{"name": "w", "digest": "00", "algo": "sha256", "colour": "red"}])
+
+
+def test_shape_str_is_a_json_list():
+    assert shape_str((4, 3)) == "[4, 3]"
+    assert shape_str(()) == "[]"
+    assert json.loads(shape_str([0, 7])) == [0, 7]
+
+
+# ---------------------------------------------------------------------------- name parsing
+
+LAYERS = [
+    ("model.layers.0.self_attn.q_proj.weight", 0),
+    ("model.layers.17.mlp.down_proj.weight", 17),
+    ("transformer.h.11.attn.c_attn.weight", 11),
+    ("h.3.mlp.c_fc.bias", 3),
+    ("blocks.2.attn.qkv.weight", 2),
+    ("model.decoder.layers.4.fc1.weight", 4),
+    ("decoder.layers.5.self_attn.v_proj.weight", 5),
+    ("bert.encoder.layer.2.attention.self.query.weight", 2),
+    ("encoder.layer.9.output.dense.weight", 9),
+    ("model.layers.3.block_sparse_moe.experts.6.w1.weight", 3),
+    ("model.embed_tokens.weight", None),
+    ("model.norm.weight", None),
+    ("lm_head.weight", None),
+    ("transformer.wte.weight", None),
+    ("mhc.4.weight", None),  # "h" must be a whole component
+]
+
+
+@pytest.mark.parametrize(("name", "layer"), LAYERS)
+def test_parse_layer(name, layer):
+    assert parse_layer(name) == layer
+    got = make_frame([{"name": name, "digest": "00", "algo": "sha256"}])["layer"].iloc[0]
+    assert (pd.isna(got) and layer is None) or got == layer
+
+
+BLOCKS = [
+    # Llama
+    ("model.embed_tokens.weight", "embed", None),
+    ("model.layers.0.self_attn.q_proj.weight", "attn", None),
+    ("model.layers.0.self_attn.o_proj.weight", "attn", None),
+    ("model.layers.0.mlp.gate_proj.weight", "mlp", None),
+    ("model.layers.0.mlp.up_proj.weight", "mlp", None),
+    ("model.layers.0.mlp.down_proj.weight", "mlp", None),
+    ("model.layers.0.input_layernorm.weight", "norm", None),
+    ("model.layers.0.post_attention_layernorm.weight", "norm", None),
+    ("model.norm.weight", "norm", None),
+    ("lm_head.weight", "head", None),
+    # Mixtral
+    ("model.layers.1.block_sparse_moe.gate.weight", "router", None),
+    ("model.layers.1.block_sparse_moe.experts.3.w1.weight", "expert", 3),
+    ("model.layers.1.block_sparse_moe.experts.7.w2.weight", "expert", 7),
+    # Qwen-MoE
+    ("model.layers.0.mlp.gate.weight", "router", None),
+    ("model.layers.0.mlp.experts.12.gate_proj.weight", "expert", 12),
+    ("model.layers.0.mlp.shared_expert.up_proj.weight", "mlp", None),
+    ("model.layers.0.mlp.shared_expert_gate.weight", "router", None),
+    # GPT-2
+    ("transformer.wte.weight", "embed", None),
+    ("transformer.wpe.weight", "embed", None),
+    ("transformer.h.5.ln_1.weight", "norm", None),
+    ("transformer.h.5.attn.c_attn.weight", "attn", None),
+    ("transformer.h.5.attn.c_proj.weight", "attn", None),
+    ("transformer.h.5.mlp.c_fc.weight", "mlp", None),
+    ("transformer.h.5.mlp.c_proj.weight", "mlp", None),
+    ("transformer.ln_f.weight", "norm", None),
+    # BERT
+    ("bert.embeddings.word_embeddings.weight", "embed", None),
+    ("bert.embeddings.LayerNorm.weight", "norm", None),
+    ("encoder.layer.2.attention.self.query.weight", "attn", None),
+    ("encoder.layer.2.attention.output.dense.weight", "attn", None),
+    ("encoder.layer.2.attention.output.LayerNorm.weight", "norm", None),
+    ("encoder.layer.2.intermediate.dense.weight", "mlp", None),
+    ("encoder.layer.2.output.dense.weight", "mlp", None),
+    ("encoder.layer.2.output.LayerNorm.bias", "norm", None),
+    # nothing recognisable
+    ("some.custom.thing", "other", None),
+]
+
+
+@pytest.mark.parametrize(("name", "block", "expert"), BLOCKS)
+def test_parse_block_and_expert(name, block, expert):
+    assert parse_block(name) == block
+    assert parse_expert(name) == expert
+    row = make_frame([{"name": name, "digest": "00", "algo": "sha256"}]).iloc[0]
+    assert row["block"] == block
+    assert (pd.isna(row["expert"]) and expert is None) or row["expert"] == expert
+
+
+def test_given_layer_block_expert_are_not_overwritten():
+    row = make_frame([{"name": "lm_head.weight", "digest": "00", "algo": "sha256", "layer": 9, "block": "mlp", "expert": 2}]).iloc[0]
+    assert (row["layer"], row["block"], row["expert"]) == (9, "mlp", 2)
+
+
+# ---------------------------------------------------------------------------- roundtrips
+
+
+@pytest.mark.parametrize("suffix", SUFFIXES)
+def test_roundtrip_is_exact(tmp_path, suffix):
+    df = _tricky_frame()
+    # every nullable column really holds an NA somewhere, so the roundtrip covers it
+    assert all(df[c].isna().any() for c in NULLABLE)
+    path = write_table(df, tmp_path / f"t{suffix}")
+    assert path.is_file()
+    back = read_table(path)
+    pd.testing.assert_frame_equal(back, df, check_exact=True)
+    assert back.loc[2, "digest"] == "00123456789012345678901234567890"
+    assert back.loc[3, "name"] == "NA" and back.loc[3, "host"] == "nan" and back.loc[3, "role"] == "null"
+    assert back.loc[2, "nbytes"] == 2**40 + 1
+
+
+@pytest.mark.parametrize("suffix", SUFFIXES)
+def test_roundtrip_of_an_empty_table(tmp_path, suffix):
+    path = write_table(empty_frame(), tmp_path / f"e{suffix}")
+    pd.testing.assert_frame_equal(read_table(path), empty_frame())
+
+
+@pytest.mark.parametrize("suffix", SUFFIXES)
+def test_roundtrip_keeps_extra_columns(tmp_path, suffix):
+    df = make_frame([_full_row()])
+    df["note"] = ["checked"]
+    back = read_table(write_table(df, tmp_path / f"x{suffix}"))
+    assert back["note"].tolist() == ["checked"]
+    pd.testing.assert_frame_equal(back[list(COLUMNS)], df[list(COLUMNS)], check_exact=True)
+
+
+def test_suffix_is_case_insensitive(tmp_path):
+    df = _tricky_frame()
+    pd.testing.assert_frame_equal(read_table(write_table(df, tmp_path / "T.CSV")), df, check_exact=True)
+
+
+def test_read_table_accepts_a_minimal_hand_written_csv(tmp_path):
+    p = tmp_path / "min.csv"
+    p.write_text("name,digest,algo,rank\nmodel.layers.1.mlp.up_proj.weight,0099,sha256,3\n")
+    df = read_table(p)
+    assert list(df.columns) == list(COLUMNS)
+    row = df.iloc[0]
+    assert (row["digest"], row["rank"], row["layer"], row["block"]) == ("0099", 3, 1, "mlp")
+    assert pd.isna(row["tp"]) and pd.isna(row["host"])
+
+
+# ---------------------------------------------------------------------------- bad tables
+
+
+@pytest.mark.parametrize("col", ["name", "digest", "algo"])
+def test_missing_required_column_names_it(tmp_path, col):
+    df = pd.DataFrame({"name": ["w"], "digest": ["00"], "algo": ["sha256"]}).drop(columns=col)
+    with pytest.raises(TableError, match=col):
+        validate(df)
+    p = tmp_path / "t.csv"
+    df.to_csv(p, index=False)
+    with pytest.raises(TableError, match=col) as info:
+        read_table(p)
+    assert str(p) in str(info.value)
+
+
+@pytest.mark.parametrize("col", ["name", "digest", "algo"])
+def test_empty_required_value_names_the_column(col):
+    df = pd.DataFrame({"name": ["w", "v"], "digest": ["00", "01"], "algo": ["sha256", "sha256"]})
+    df.loc[1, col] = None
+    with pytest.raises(TableError, match=rf"'{col}'.*row 1"):
+        validate(df)
+
+
+@pytest.mark.parametrize("col", ["rank", "tp", "step", "nbytes"])
+def test_non_numeric_integer_column_names_it(col):
+    df = pd.DataFrame({"name": ["w"], "digest": ["00"], "algo": ["sha256"], col: ["three"]})
+    with pytest.raises(TableError, match=f"'{col}'"):
+        validate(df)
+
+
+def test_fractional_rank_is_rejected_naming_it():
+    df = pd.DataFrame({"name": ["w"], "digest": ["00"], "algo": ["sha256"], "rank": [1.5]})
+    with pytest.raises(TableError, match="'rank'"):
+        validate(df)
+
+
+@pytest.mark.parametrize("suffix", [".csv", ".json"])
+def test_non_numeric_rank_in_a_file_names_the_column_and_file(tmp_path, suffix):
+    p = tmp_path / f"bad{suffix}"
+    rows = [{"name": "w", "digest": "00", "algo": "sha256", "rank": "0"}, {"name": "v", "digest": "01", "algo": "sha256", "rank": "zero"}]
+    if suffix == ".csv":
+        pd.DataFrame(rows).to_csv(p, index=False)
+    else:
+        p.write_text(json.dumps(rows))
+    with pytest.raises(TableError, match="'rank'") as info:
+        read_table(p)
+    assert str(p) in str(info.value)
+
+
+def test_non_numeric_seconds_names_the_column(tmp_path):
+    p = tmp_path / "bad.csv"
+    p.write_text("name,digest,algo,seconds\nw,00,sha256,fast\n")
+    with pytest.raises(TableError, match="'seconds'"):
+        read_table(p)
+
+
+def test_unknown_block_names_the_column_and_value(tmp_path):
+    df = pd.DataFrame({"name": ["w"], "digest": ["00"], "algo": ["sha256"], "block": ["encoder"]})
+    with pytest.raises(TableError, match="'block'.*encoder"):
+        validate(df)
+    p = tmp_path / "b.csv"
+    df.to_csv(p, index=False)
+    with pytest.raises(TableError, match="'block'"):
+        read_table(p)
+    with pytest.raises(TableError, match="'block'"):
+        write_table(df, tmp_path / "out.csv")
+
+
+def test_validate_rejects_non_frames():
+    with pytest.raises(TableError, match="DataFrame"):
+        validate([{"name": "w"}])
+
+
+@pytest.mark.parametrize("name", ["t.txt", "t.xlsx", "t"])
+def test_unknown_suffix_is_an_error_naming_it(tmp_path, name):
+    df = make_frame([_full_row()])
+    with pytest.raises(TableError) as info:
+        write_table(df, tmp_path / name)
+    suffix = name.partition(".")[2]
+    assert (suffix and f".{suffix}" in str(info.value)) or (not suffix and "no suffix" in str(info.value))
+    assert not (tmp_path / name).exists()
+    (tmp_path / name).write_text("name,digest,algo\nw,00,sha256\n")
+    with pytest.raises(TableError) as info:
+        read_table(tmp_path / name)
+    assert str(tmp_path / name) in str(info.value)
+    assert (suffix and f".{suffix}" in str(info.value)) or (not suffix and "no suffix" in str(info.value))
+
+
+def test_missing_file_is_an_error_naming_it(tmp_path):
+    p = tmp_path / "nope.csv"
+    with pytest.raises(TableError, match="nope.csv"):
+        read_table(p)
+
+
+@pytest.mark.parametrize(("suffix", "content"), [(".csv", ""), (".json", "{not json"), (".parquet", "not parquet"), (".json", '{"name": "w"}')])
+def test_unreadable_file_is_a_table_error_naming_it(tmp_path, suffix, content):
+    p = tmp_path / f"junk{suffix}"
+    p.write_text(content)
+    with pytest.raises(TableError) as info:
+        read_table(p)
+    assert str(p) in str(info.value)
+
+
+def test_table_error_is_a_wcviz_error():
+    assert issubclass(TableError, WcvizError)
+    assert issubclass(TableError, ValueError)
