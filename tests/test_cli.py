@@ -228,6 +228,15 @@ def test_compare_different_algorithms_exits_2(capsys, tmp_path, ckpt, saved):
     _assert_clean_error(err, "sha256", "nemo-rl-v3")
 
 
+def test_compare_checkpoint_uses_the_saved_tables_algorithm(capsys, tmp_path, ckpt, served):
+    rc, _, _ = _run(capsys, "digest", ckpt, "--algo", "sha256", "--out", tmp_path / "sha.csv", "--no-progress")
+    assert rc == 0 and set(read_table(tmp_path / "sha.csv")["algo"]) == {"sha256"}
+    rc, out, err = _run(capsys, "compare", tmp_path / "sha.csv", ckpt, "--no-progress")
+    assert rc == 0, err
+    rc, out, err = _run(capsys, "compare", tmp_path / "sha.csv", served, "--no-progress")
+    assert rc == 1 and VICTIM in out
+
+
 def test_unknown_command_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as info:
         main(["frobnicate"])

@@ -214,3 +214,13 @@ def test_verdict_columns():
     v = compare(from_state_dict(_sd()), from_state_dict(_sd()))
     for col in [*IDENTITY, "name", "status", "algo", "digest_expected", "digest_actual", "dtype_expected", "dtype_actual", "shape_expected", "shape_actual", "nbytes_expected", "nbytes_actual", "layer", "block", "expert", "host"]:
         assert col in v.columns, col
+
+
+def test_tables_with_different_rank_coordinates_are_refused():
+    sd = _sd()
+    by_tp = pd.concat([from_state_dict(sd, tp=r) for r in (0, 1)], ignore_index=True)
+    by_rank_tp = pd.concat([from_state_dict(sd, rank=r, tp=r) for r in (0, 1)], ignore_index=True)
+    with pytest.raises(TableError, match=r"expected table locates ranks by \(tp\) but actual by \(rank, tp\)"):
+        compare(by_tp, by_rank_tp)
+    with pytest.raises(TableError, match=r"by \(rank, tp\) but actual by \(nothing\)"):
+        compare(by_rank_tp, from_state_dict(sd))

@@ -336,6 +336,7 @@ def test_digest_buffer_equals_tensor_digest() -> None:
         for algo in ["nemo-rl-v3", "sha256"]:
             assert digest_buffer(raw, dtype, t.shape, algo=algo) == digest_hex(t, algo=algo)
             assert digest_buffer(raw, str(dtype).removeprefix("torch."), t.shape, algo=algo) == digest_hex(t, algo=algo)
+    assert digest_buffer(np.zeros(0, np.uint8), torch.float32, (0, 3)) == digest_hex(torch.zeros(0, 3))
     with pytest.raises(DigestError, match="expected at least 84 bytes"):
         digest_buffer(np.zeros(10, np.uint8), torch.float32, (7, 3))
     with pytest.raises(DigestError, match="unknown dtype 'float13'"):

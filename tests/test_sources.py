@@ -473,6 +473,15 @@ def _index_not_json(tmp_path):
     return d, ["model.safetensors.index.json"]
 
 
+def _index_points_outside(tmp_path):
+    d = _shard_dir(tmp_path)
+    idx = d / "model.safetensors.index.json"
+    data = json.loads(idx.read_text())
+    data["weight_map"]["model.layers.0.mlp.up_proj.weight"] = "../elsewhere.safetensors"
+    idx.write_text(json.dumps(data))
+    return d, ["model.safetensors.index.json", "'../elsewhere.safetensors'"]
+
+
 def _duplicate_across_shards(tmp_path):
     d = _shard_dir(tmp_path)
     (d / "model.safetensors.index.json").unlink()
@@ -508,6 +517,7 @@ BAD = [
     _index_names_absent_tensor,
     _index_wrong_shard,
     _index_not_json,
+    _index_points_outside,
     _duplicate_across_shards,
     _corrupt_second_shard,
 ]

@@ -36,7 +36,7 @@ def _parser() -> argparse.ArgumentParser:
     c = sub.add_parser("compare", help="compare two checkpoints or saved tables; exit 1 if anything differs")
     c.add_argument("expected", help="checkpoint or saved table (.csv/.parquet/.json) taken as the truth")
     c.add_argument("actual", help="checkpoint or saved table to check against it")
-    c.add_argument("--algo", choices=ALGORITHMS, default=DEFAULT_ALGO, help="algorithm used for checkpoints")
+    c.add_argument("--algo", choices=ALGORITHMS, default=None, help="algorithm for checkpoints (default: the saved table's, else nemo-rl-v3)")
     c.add_argument("--backend", choices=BACKENDS, default="auto", help="digest backend for checkpoints")
     c.add_argument("--all", action="store_true", help="list matching rows too")
     c.add_argument("--out", metavar="FILE", help="also write the verdict table here (.csv/.parquet/.json)")
@@ -44,18 +44,31 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _load(path: str, algo: str, backend: str, progress: bool) -> pd.DataFrame:
-    from wcviz.frame import TABLE_SUFFIXES, read_table
+def _is_table(path: str) -> bool:
+    from wcviz.frame import TABLE_SUFFIXES
+
+    return Path(path).suffix.lower() in TABLE_SUFFIXES and not path.endswith(".safetensors.index.json")
+
+
+def _load_pair(args: argparse.Namespace) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Both sides; a checkpoint is digested with ``--algo``, else with the other side's table algorithm."""
+    from wcviz.digest import DEFAULT_ALGO
+    from wcviz.frame import read_table
     from wcviz.sources import from_safetensors
 
-    p = Path(path)
-    if p.suffix.lower() in TABLE_SUFFIXES and not p.name.endswith(".safetensors.index.json"):
-        return read_table(p)
-    return from_safetensors(p, algo=algo, backend=backend, progress=progress)
+    paths = (args.expected, args.actual)
+    tables = {p: read_table(p) for p in paths if _is_table(p)}
+    algo = args.algo
+    if algo is None:
+        known = sorted({a for t in tables.values() for a in t["algo"].dropna().unique()})
+        algo = known[0] if len(known) == 1 else DEFAULT_ALGO
+    progress = False if args.no_progress else None
+    loaded = [tables[p] if p in tables else from_safetensors(p, algo=algo, backend=args.backend, progress=progress) for p in paths]
+    return loaded[0], loaded[1]
 
 
 def _digest(args: argparse.Namespace) -> int:
-    from wcviz.frame import write_table
+    from wcviz.frame import table_text, write_table
     from wcviz.sources import from_safetensors
 
     df = from_safetensors(args.path, algo=args.algo, backend=args.backend, progress=False if args.no_progress else None)
@@ -63,10 +76,8 @@ def _digest(args: argparse.Namespace) -> int:
         write_table(df, args.out)
         print(f"wrote {len(df)} digests to {args.out}", file=sys.stderr)
         return 0
-    if args.format == "csv":
-        text = df.to_csv(index=False)
-    elif args.format == "json":
-        text = df.to_json(orient="records", indent=1) + "\n"
+    if args.format in ("csv", "json"):
+        text = table_text(df, args.format)
     else:
         total = int(df["nbytes"].sum())
         text = df[_TABLE_COLUMNS].to_string(index=False) + f"\n{len(df)} tensors, {total:,} bytes, {df['algo'].iloc[0]}\n"
@@ -96,9 +107,7 @@ def _compare(args: argparse.Namespace) -> int:
     from wcviz._errors import TableError
     from wcviz.compare import compare, counts
 
-    progress = False if args.no_progress else None
-    expected = _load(args.expected, args.algo, args.backend, progress)
-    actual = _load(args.actual, args.algo, args.backend, progress)
+    expected, actual = _load_pair(args)
     verdicts = compare(expected, actual)
     if verdicts.empty:
         raise TableError(f"{args.expected} and {args.actual} hold no digests: nothing was compared")

@@ -55,6 +55,18 @@ def _broadcast(expected: pd.DataFrame, actual: pd.DataFrame) -> pd.DataFrame:
     return expected.drop(columns=ids).merge(ranks, how="cross")
 
 
+def _check_coordinates(exp: pd.DataFrame, act: pd.DataFrame) -> None:
+    """Both tables must locate ranks by the same coordinates, or nothing would line up."""
+    used_e = [c for c in IDENTITY if exp[c].notna().any()]
+    used_a = [c for c in IDENTITY if act[c].notna().any()]
+    if used_e != used_a:
+        raise TableError(
+            f"expected table locates ranks by ({', '.join(used_e) or 'nothing'}) but actual by "
+            f"({', '.join(used_a) or 'nothing'}): give both the same coordinates, or give expected "
+            "none to apply it to every rank"
+        )
+
+
 def _differs(m: pd.DataFrame, col: str) -> pd.Series:
     left, right = m[f"{col}_expected"], m[f"{col}_actual"]
     return (left.notna() & right.notna() & (left != right)).fillna(False).astype(bool)
@@ -72,6 +84,7 @@ def compare(expected: pd.DataFrame, actual: pd.DataFrame) -> pd.DataFrame:
     if a_exp and a_act and a_exp != a_act:
         raise AlgorithmMismatch(f"cannot compare {a_exp} digests (expected) with {a_act} digests (actual)")
     exp = _broadcast(exp, act)
+    _check_coordinates(exp, act)
     keys = [*IDENTITY, "name"]
     _check_unique(exp, keys, "expected")
     _check_unique(act, keys, "actual")

@@ -56,6 +56,7 @@ __all__ = [
     "shape_str",
     "read_table",
     "write_table",
+    "table_text",
     "TABLE_SUFFIXES",
 ]
 
@@ -210,15 +211,23 @@ def write_table(df: pd.DataFrame, path: str | Path) -> Path:
     path = Path(path)
     frame = validate(df)
     suffix = path.suffix.lower()
-    if suffix == ".csv":
-        frame.to_csv(path, index=False)
-    elif suffix == ".parquet":
+    if suffix == ".parquet":
         frame.to_parquet(path, index=False)
-    elif suffix == ".json":
-        path.write_text(_to_json(frame))
+    elif suffix in (".csv", ".json"):
+        path.write_text(table_text(frame, suffix[1:]))
     else:
         raise TableError(f"{path}: unknown table format {suffix or '(no suffix)'}; use one of {', '.join(TABLE_SUFFIXES)}")
     return path
+
+
+def table_text(df: pd.DataFrame, fmt: str) -> str:
+    """A table as ``csv`` or ``json`` text, exactly as :func:`write_table` writes it."""
+    frame = validate(df)
+    if fmt == "csv":
+        return frame.to_csv(index=False)
+    if fmt == "json":
+        return _to_json(frame) + "\n"
+    raise TableError(f"unknown text format {fmt!r}; use csv or json")
 
 
 def _to_json(frame: pd.DataFrame) -> str:

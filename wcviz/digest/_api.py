@@ -248,7 +248,9 @@ def digest_buffer(
     if _check_algo(algo) == "sha256":
         return Digest(sha256_hex(raw.data, str(dt), shape, nbytes), "sha256")
     padded = (nbytes + 7) // 8 * 8
-    if raw.shape[0] >= padded and not raw[nbytes:padded].any() and raw.ctypes.data % 8 == 0:
+    if nbytes == 0:
+        lanes = torch.empty(0, dtype=torch.int64)
+    elif raw.shape[0] >= padded and not raw[nbytes:padded].any() and raw.ctypes.data % 8 == 0:
         lanes = torch.from_numpy(raw[:padded]).view(torch.int64)
     else:
         buf = np.zeros(padded, dtype=np.uint8)

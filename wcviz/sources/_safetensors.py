@@ -169,6 +169,9 @@ def _weight_map(index: Path) -> dict[str, str]:
     wm = data.get("weight_map") if isinstance(data, dict) else None
     if not isinstance(wm, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in wm.items()):
         raise CheckpointError(f"{index}: has no weight_map of tensor name -> file name")
+    outside = sorted({f for f in wm.values() if Path(f).name != f or f in ("", ".", "..")})
+    if outside:
+        raise CheckpointError(f"{index}: shard {outside[0]!r} is not a file name in the index's directory")
     if not wm:
         raise CheckpointError(f"{index}: weight_map is empty: no weights")
     return wm
@@ -202,12 +205,8 @@ def _entries(path: Path) -> list[TensorEntry]:
 
 
 def _read(f: Any, e: TensorEntry) -> np.ndarray:
-    """The tensor's bytes, zero-padded to a multiple of 8 (what the digest folds).
-
-    Never a 0-byte array: numpy gives an empty array stride 0, which torch cannot
-    view as int64, so an empty tensor gets 8 bytes of padding.
-    """
-    buf = np.zeros(max((e.nbytes + 7) // 8 * 8, 8), dtype=np.uint8)
+    """The tensor's bytes, zero-padded to a multiple of 8 (what the digest folds)."""
+    buf = np.zeros((e.nbytes + 7) // 8 * 8, dtype=np.uint8)
     f.seek(e.start)
     got = f.readinto(memoryview(buf)[: e.nbytes])
     if got != e.nbytes:
