@@ -20,7 +20,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
 bench: $(STAMP)
-	$(BIN)/python benchmarks/cpu_digest.py
+	$(BIN)/python benchmarks/cpu_digest.py --repeat 5
 
 clean:
 	rm -rf $(VENV) .pytest_cache .benchmarks build *.egg-info

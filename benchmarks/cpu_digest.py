@@ -35,14 +35,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes-mib", type=int, nargs="+", default=[64, 512])
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--reference-repeat", type=int, default=1, help="runs of the (slow) torch reference")
+    ap.add_argument("--reference-repeat", type=int, default=2, help="runs of the (slow) torch reference")
     args = ap.parse_args()
 
     import numba
     import xxhash
 
     cores = numba.config.NUMBA_NUM_THREADS
-    print(f"# {platform.processor() or platform.machine()}, {cores} cores, torch {torch.__version__}, numba {numba.__version__}, "
+    print(f"Machine: {platform.machine()}, {cores} cores, torch {torch.__version__}, numba {numba.__version__}, "
           f"torch threads {torch.get_num_threads()}")
     digest_hex(torch.zeros(4096), backend="numba")  # compile / load the kernel cache
     print("| size | method | GB/s | × torch reference |")

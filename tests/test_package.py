@@ -1,0 +1,45 @@
+"""The package's shape: a small public surface, cheap to import, a README that runs."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import wcviz
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_public_names() -> None:
+    assert set(wcviz.__all__) == {
+        "ALGORITHMS", "BACKENDS", "COLUMNS", "Digest", "tensor_digest", "digest_hex", "digest_many", "compare_digests",
+        "from_module", "from_state_dict", "from_safetensors", "compare", "read_table", "write_table",
+        "WcvizError", "DigestError", "AlgorithmMismatch", "CheckpointError", "TableError", "__version__",
+    }
+    for name in wcviz.__all__:
+        assert getattr(wcviz, name) is not None, name
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        wcviz.nope  # noqa: B018
+
+
+def test_import_is_cheap() -> None:
+    code = "import sys, wcviz; print(sorted(m for m in ('torch', 'pandas', 'numba', 'numpy') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_readme_python_example_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    block = re.search(r"```python\n(.*?)```", (REPO / "README.md").read_text(), re.S)
+    assert block, "README.md has no python example"
+    code = block.group(1)
+    assert len(code.strip().splitlines()) <= 10
+    monkeypatch.chdir(tmp_path)
+    exec(compile(code, "README.md", "exec"), {})
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "['bias']"
+    rows = {line.split()[3]: line.split()[4] for line in out[2:4]}
+    assert rows == {"bias": "mismatch", "weight": "match"}
