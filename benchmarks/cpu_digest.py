@@ -52,11 +52,11 @@ def main() -> None:
         assert digest_hex(x, backend="numba") == digest_hex(x, backend="torch"), "backends disagree"
         view = x.numpy()
         methods: dict[str, Callable[[], object]] = {
-            "torch eager reference": lambda: digest_hex(x, backend="torch"),
-            f"numba fast path ({cores} threads)": lambda: digest_hex(x, backend="numba"),
-            "numba fast path (1 thread)": lambda: digest_hex(x, backend="numba"),
-            "xxh3_128 (1 thread)": lambda: xxhash.xxh3_128(view).hexdigest(),
-            "memory pass (numpy sum of uint64)": lambda: view.view(np.uint64).sum(),
+            "torch eager reference": lambda x=x: digest_hex(x, backend="torch"),
+            f"numba fast path ({cores} threads)": lambda x=x: digest_hex(x, backend="numba"),
+            "numba fast path (1 thread)": lambda x=x: digest_hex(x, backend="numba"),
+            "xxh3_128 (1 thread)": lambda v=view: xxhash.xxh3_128(v).hexdigest(),
+            "memory pass (numpy sum of uint64)": lambda v=view: v.view(np.uint64).sum(),
         }
         results = {}
         for label, fn in methods.items():

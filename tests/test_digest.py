@@ -14,7 +14,6 @@ from hypothesis import strategies as st
 
 from wcviz import AlgorithmMismatch, DigestError
 from wcviz.digest import (
-    Digest,
     compare_digests,
     digest_buffer,
     digest_hex,

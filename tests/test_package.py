@@ -43,3 +43,16 @@ def test_readme_python_example_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     assert out[0] == "['bias']"
     rows = {line.split()[3]: line.split()[4] for line in out[2:4]}
     assert rows == {"bias": "mismatch", "weight": "match"}
+
+
+def test_public_names_are_not_shadowed_by_submodules() -> None:
+    """Importing every submodule first must not replace a public function by a module of that name."""
+    code = (
+        "import importlib, pkgutil, types, wcviz\n"
+        "for m in pkgutil.walk_packages(wcviz.__path__, 'wcviz.'):\n"
+        "    if not m.name.endswith(('__main__', 'demo')): importlib.import_module(m.name)\n"
+        "bad = [n for n in wcviz.__all__ if isinstance(getattr(wcviz, n), types.ModuleType)]\n"
+        "print(bad)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

@@ -23,7 +23,7 @@ _EXPORTS = {
     "from_module": "wcviz.sources",
     "from_state_dict": "wcviz.sources",
     "from_safetensors": "wcviz.sources",
-    "compare": "wcviz.compare",
+    "compare": "wcviz.verdicts",
     "read_table": "wcviz.frame",
     "write_table": "wcviz.frame",
     "COLUMNS": "wcviz.frame",
@@ -34,11 +34,33 @@ _EXPORTS = {
     "TableError": "wcviz._errors",
 }
 
-__all__ = sorted(_EXPORTS) + ["__version__"]
+__all__ = [
+    "ALGORITHMS",
+    "BACKENDS",
+    "COLUMNS",
+    "AlgorithmMismatch",
+    "CheckpointError",
+    "Digest",
+    "DigestError",
+    "TableError",
+    "WcvizError",
+    "__version__",
+    "compare",
+    "compare_digests",
+    "digest_hex",
+    "digest_many",
+    "from_module",
+    "from_safetensors",
+    "from_state_dict",
+    "read_table",
+    "tensor_digest",
+    "write_table",
+]
+assert set(__all__) == {*_EXPORTS, "__version__"}
 
 if TYPE_CHECKING:
     from wcviz._errors import AlgorithmMismatch, CheckpointError, DigestError, TableError, WcvizError
-    from wcviz.compare import compare
+    from wcviz.verdicts import compare
     from wcviz.digest import ALGORITHMS, BACKENDS, Digest, compare_digests, digest_hex, digest_many, tensor_digest
     from wcviz.frame import COLUMNS, read_table, write_table
     from wcviz.sources import from_module, from_safetensors, from_state_dict

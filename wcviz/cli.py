@@ -105,7 +105,7 @@ def _write_verdicts(verdicts: pd.DataFrame, out: str) -> None:
 
 def _compare(args: argparse.Namespace) -> int:
     from wcviz._errors import TableError
-    from wcviz.compare import compare, counts
+    from wcviz.verdicts import compare, counts
 
     expected, actual = _load_pair(args)
     verdicts = compare(expected, actual)

@@ -199,8 +199,8 @@ def digest_timed(
         host = _to_host(torch.stack([w for _, w, _ in rows]))  # the one sync for this device
         total = time.perf_counter() - started[device]
         nbytes = sum(b for _, _, b in rows) or 1
-        for (name, _, b), words in zip(rows, host):
-            out[name] = (_hex_words(words), total * b / nbytes)
+        for (name, _, b), pair in zip(rows, host):
+            out[name] = (_hex_words(pair), total * b / nbytes)
     return {name: out[name] for name, _ in items}
 
 

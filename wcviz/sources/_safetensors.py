@@ -9,6 +9,7 @@ only when every tensor was digested: never a partial table.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import struct
@@ -208,7 +209,7 @@ def _read(f: Any, e: TensorEntry) -> np.ndarray:
     """The tensor's bytes, zero-padded to a multiple of 8 (what the digest folds)."""
     buf = np.zeros((e.nbytes + 7) // 8 * 8, dtype=np.uint8)
     f.seek(e.start)
-    got = f.readinto(memoryview(buf)[: e.nbytes])
+    got = f.readinto(buf[: e.nbytes].data)
     if got != e.nbytes:
         raise CheckpointError(f"{e.file}: tensor {e.name!r}: truncated: read {got} of {e.nbytes} bytes")
     return buf
@@ -235,33 +236,29 @@ def from_safetensors(
     path = Path(path)
     entries = _entries(path)
     rows = []
-    bar = tqdm(total=sum(e.nbytes for e in entries), unit="B", unit_scale=True, desc=path.name, disable=not progress if progress is not None else None)
+    disable = None if progress is None else not progress  # None: only on a terminal
+    bar = tqdm(total=sum(e.nbytes for e in entries), unit="B", unit_scale=True, desc=path.name, disable=disable)
     try:
-        handles: dict[Path, Any] = {}
-        try:
-            for e in entries:
-                f = handles.get(e.file) or handles.setdefault(e.file, open(e.file, "rb"))
-                buf = _read(f, e)
-                t0 = time.perf_counter()
-                d = digest_buffer(buf, e.dtype, e.shape, algo=algo, backend=backend, name=e.name)
-                rows.append(
-                    {
-                        "name": e.name,
-                        "digest": str(d),
-                        "algo": d.algo,
-                        "dtype": e.dtype,
-                        "shape": shape_str(e.shape),
-                        "nbytes": e.nbytes,
-                        "device": "cpu",
-                        "seconds": time.perf_counter() - t0,
-                        **info,
-                    }
-                )
-                del buf
-                bar.update(e.nbytes)
-        finally:
-            for f in handles.values():
-                f.close()
+        for file, group in itertools.groupby(entries, key=lambda e: e.file):  # entries come shard by shard
+            with open(file, "rb") as f:
+                for e in group:
+                    buf = _read(f, e)
+                    t0 = time.perf_counter()
+                    d = digest_buffer(buf, e.dtype, e.shape, algo=algo, backend=backend, name=e.name)
+                    rows.append(
+                        {
+                            "name": e.name,
+                            "digest": str(d),
+                            "algo": d.algo,
+                            "dtype": e.dtype,
+                            "shape": shape_str(e.shape),
+                            "nbytes": e.nbytes,
+                            "device": "cpu",
+                            "seconds": time.perf_counter() - t0,
+                            **info,
+                        }
+                    )
+                    bar.update(e.nbytes)
     except OSError as err:
         raise CheckpointError(f"{path}: read failed: {err.strerror or err}") from None
     finally:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from wcviz._errors import AlgorithmMismatch, TableError
-from wcviz.compare import STATUSES, compare, counts, differences
+from wcviz.verdicts import STATUSES, compare, counts, differences
 from wcviz.digest import digest_hex
 from wcviz.frame import IDENTITY, make_frame
 from wcviz.sources import from_safetensors, from_state_dict
