@@ -401,3 +401,14 @@ def test_tensor_digest_stays_on_device_and_needs_no_grad() -> None:
     d = tensor_digest(w, backend="torch")
     assert d.device == w.device and d.dtype == torch.int64 and not d.requires_grad
     assert _spec.hex_of(*d.tolist()) == digest_hex(w.detach())
+
+
+def test_concurrent_digests_from_many_threads() -> None:
+    """Agents digest from background threads: concurrent calls must neither crash nor mix results."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    tensors = [lanes_tensor(3 * 4096 + i, seed=i) for i in range(8)]
+    want = [digest_hex(t, backend="torch") for t in tensors]
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(lambda t: digest_hex(t, backend="numba"), tensors * 3))
+    assert got == want * 3

@@ -24,7 +24,8 @@ expert        Int64     expert index parsed from ``experts.N``, NA elsewhere
 phase         str       when it was taken: ``current``, ``snapshot``, ``reset``,
                         ``reload``, ``sent``, ``received``, ...
 step          Int64     training step the weights belong to, if known
-seconds       float64   what digesting this tensor cost on that rank
+seconds       float64   what digesting this tensor cost on that rank (a device
+                        backend that syncs once shares its total out by bytes)
 ============  ========  ==========================================================
 
 Missing strings are NA (never ``""``), so a table survives CSV, parquet and JSON

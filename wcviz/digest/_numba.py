@@ -18,6 +18,8 @@ int would silently promote to float64 under numba.
 
 from __future__ import annotations
 
+import threading
+
 import numba
 import numpy as np
 from numba import njit, prange
@@ -186,9 +188,16 @@ def _digest(lanes, s1, s2):  # type: ignore[no-untyped-def]
     return _mix(c1), _mix(c2)
 
 
+# One kernel at a time per process: numba's fallback "workqueue" threading layer
+# aborts the process when two threads launch parallel kernels at once, and the
+# kernel already uses every core, so serialising costs nothing.
+_LOCK = threading.Lock()
+
+
 def lanes_digest(lanes: np.ndarray, seed: tuple[int, int]) -> tuple[int, int]:
     """The two digest words (unsigned ints) of a ``uint64`` lane array."""
-    d1, d2 = _digest(lanes, _U(seed[0]), _U(seed[1]))
+    with _LOCK:
+        d1, d2 = _digest(lanes, _U(seed[0]), _U(seed[1]))
     return int(d1), int(d2)
 
 
