@@ -34,6 +34,7 @@ unchanged: :func:`write_table` / :func:`read_table` roundtrip exactly.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Iterable, Mapping, Sequence
@@ -104,18 +105,21 @@ _MLP = re.compile(
 )
 
 
+@functools.lru_cache(maxsize=1 << 16)  # names repeat on every rank
 def parse_layer(name: str) -> int | None:
     """Layer index from ``layers.N`` / ``h.N`` / ``blocks.N`` / ``layer.N``; the last wins."""
     found = _LAYER.findall(name)
     return int(found[-1]) if found else None
 
 
+@functools.lru_cache(maxsize=1 << 16)  # names repeat on every rank
 def parse_expert(name: str) -> int | None:
     """Expert index from ``experts.N``."""
     m = _EXPERT.search(name)
     return int(m.group(1)) if m else None
 
 
+@functools.lru_cache(maxsize=1 << 16)  # names repeat on every rank
 def parse_block(name: str) -> str:
     """Which part of the model a parameter belongs to (one of ``BLOCKS``)."""
     if _EXPERTS.search(name):
@@ -139,23 +143,15 @@ def empty_frame() -> pd.DataFrame:
 def make_frame(rows: Iterable[Mapping[str, Any]]) -> pd.DataFrame:
     """A schema-conforming frame from row dicts; missing columns become NA.
 
-    ``layer``, ``block`` and ``expert`` are parsed from ``name`` when a row does
-    not give them.
+    ``layer``, ``block`` and ``expert`` are parsed from ``name`` unless given.
     """
-    records = []
-    for row in rows:
-        unknown = set(row) - set(COLUMNS)
-        if unknown:
-            raise TableError(f"unknown column(s) {', '.join(sorted(unknown))}; the schema has {', '.join(COLUMNS)}")
-        rec = dict(row)
-        name = str(rec["name"])
-        rec.setdefault("layer", parse_layer(name))
-        rec.setdefault("block", parse_block(name))
-        rec.setdefault("expert", parse_expert(name))
-        records.append(rec)
+    records = list(rows)
+    unknown = sorted({k for row in records for k in row} - set(COLUMNS))
+    if unknown:
+        raise TableError(f"unknown column(s) {', '.join(unknown)}; the schema has {', '.join(COLUMNS)}")
     if not records:
         return empty_frame()
-    return _coerce(pd.DataFrame.from_records(records), source="rows")
+    return validate(pd.DataFrame.from_records(records), source="rows")
 
 
 def _coerce(df: pd.DataFrame, source: str) -> pd.DataFrame:
