@@ -98,9 +98,10 @@ def compare(expected: pd.DataFrame, actual: pd.DataFrame) -> pd.DataFrame:
     same_digest = m["digest_expected"].str.lower() == m["digest_actual"].str.lower()
     status = pd.Series("missing", index=m.index, dtype="string")
     status[m["_merge"] == "right_only"] = "unexpected"
-    status[both & ~same_kind.fillna(False)] = "drift"
-    status[both & same_kind.fillna(False) & ~same_digest.fillna(False)] = "mismatch"
-    status[both & same_kind.fillna(False) & same_digest.fillna(False)] = "match"
+    same_digest = same_digest.fillna(False).astype(bool)
+    status[both & ~same_kind] = "drift"
+    status[both & same_kind & ~same_digest] = "mismatch"
+    status[both & same_kind & same_digest] = "match"
     out = m[keys].copy()
     out["status"] = status
     out["algo"] = pd.Series(a_exp or a_act, index=m.index, dtype="string")
