@@ -412,3 +412,22 @@ def test_concurrent_digests_from_many_threads() -> None:
     with ThreadPoolExecutor(4) as pool:
         got = list(pool.map(lambda t: digest_hex(t, backend="numba"), tensors * 3))
     assert got == want * 3
+
+
+def test_accumulator_collects_on_device_and_syncs_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    from wcviz.digest import DigestAccumulator
+
+    calls: list[int] = []
+    real = _api._to_host
+    monkeypatch.setattr(_api, "_to_host", lambda w: calls.append(w.shape[0]) or real(w))
+    acc = DigestAccumulator(backend="torch")
+    for name, t in named_batch().items():
+        acc.add(name, t)
+    assert calls == []  # nothing reached the host while streaming
+    assert acc.hex() == digest_many(named_batch(), backend="numba")
+    assert calls == [len(named_batch())]
+    with pytest.raises(DigestError, match="duplicate parameter names: scalar"):
+        acc.add("scalar", torch.ones(1))
+    sha = DigestAccumulator(algo="sha256")
+    sha.add("w", torch.ones(2))
+    assert sha.hex() == {"w": digest_hex(torch.ones(2), algo="sha256")}

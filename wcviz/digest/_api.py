@@ -20,6 +20,7 @@ __all__ = [
     "BACKENDS",
     "DEFAULT_ALGO",
     "Digest",
+    "DigestAccumulator",
     "tensor_digest",
     "digest_hex",
     "digest_many",
@@ -207,6 +208,46 @@ def digest_timed(
 def _to_host(words: torch.Tensor) -> list[list[int]]:
     """Bring a device's stacked digest words to the host: the one sync per device."""
     return words.tolist()
+
+
+class DigestAccumulator:
+    """Digests collected as a stream goes by, with no host sync until :meth:`hex`.
+
+    Each :meth:`add` digests on the tensor's own device and keeps the two words
+    there; :meth:`hex` brings them to the host once per device. This is what a
+    refit sender and receiver use while tensors stream through.
+    """
+
+    def __init__(self, *, algo: str = DEFAULT_ALGO, backend: str = "auto") -> None:
+        self.algo = _check_algo(algo)
+        self.backend = backend
+        self._pending: dict[str, torch.Tensor | Digest] = {}  # device words, or a host digest
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._pending
+
+    def add(self, name: str, t: torch.Tensor) -> None:
+        """Digest ``t`` under ``name`` (a name may be added once)."""
+        if name in self._pending:
+            raise DigestError(f"duplicate parameter names: {name}")
+        self._pending[name] = _sha256_of(t, name) if self.algo == "sha256" else tensor_digest(t, backend=self.backend, name=name)
+
+    def hex(self) -> dict[str, Digest]:
+        """Every digest so far, as ``{name: Digest}`` in the order added; one sync per device."""
+        import torch
+
+        out: dict[str, Digest] = {n: d for n, d in self._pending.items() if isinstance(d, Digest)}
+        by_device: dict[Any, list[str]] = {}
+        for name, w in self._pending.items():
+            if not isinstance(w, Digest):
+                by_device.setdefault(w.device, []).append(name)
+        for names in by_device.values():
+            host = _to_host(torch.stack([self._pending[n] for n in names]))  # type: ignore[misc]
+            out.update({n: _hex_words(pair) for n, pair in zip(names, host)})
+        return {n: out[n] for n in self._pending}
 
 
 def digest_many(

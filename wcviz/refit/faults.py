@@ -1,0 +1,102 @@
+"""A small, explicit fault plan: what to break, where in the stream, for tests and demos.
+
+A :class:`FaultPlan` is plain, picklable data that both ends of a transport
+receive; each end applies the faults of the points it owns:
+
+- ``sender_after_digest``: the sender has digested the parameter, then what it
+  packs is altered (so its digest describes the intended value);
+- ``wire``: the staging buffer or the control message is altered in flight;
+- ``receiver_before_load``: the receiver alters what it sliced before it
+  digests and loads it.
+
+Kinds: ``flip_bit`` (one bit of one parameter), ``drop_param`` (a parameter
+never arrives / is never loaded), ``drop_buffer`` (a whole buffer message is
+never delivered: ``buffer`` is its 0-based index in the stream), ``shift_offset``
+(the bytes of one parameter arrive ``shift`` bytes late), ``cast_dtype`` (a
+parameter is cast to ``dtype`` on that path, same byte size), ``swap_params``
+(two same-size parameters' bytes trade places).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["POINTS", "KINDS", "Fault", "FaultPlan"]
+
+POINTS = ("sender_after_digest", "wire", "receiver_before_load")
+KINDS = ("flip_bit", "drop_param", "drop_buffer", "shift_offset", "cast_dtype", "swap_params")
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One fault: a kind, the point where it strikes, and what it strikes."""
+
+    kind: str
+    point: str
+    params: tuple[str, ...] = ()
+    buffer: int | None = None
+    bit: int = 0
+    shift: int = 8
+    dtype: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown fault kind {self.kind!r}; choose one of {', '.join(KINDS)}")
+        if self.point not in POINTS:
+            raise ValueError(f"unknown fault point {self.point!r}; choose one of {', '.join(POINTS)}")
+        need = {"swap_params": 2, "drop_buffer": 0}.get(self.kind, 1)
+        if len(self.params) != need:
+            raise ValueError(f"fault {self.kind} needs {need} parameter name(s), got {list(self.params)}")
+        if self.kind == "drop_buffer" and (self.buffer is None or self.point != "wire"):
+            raise ValueError("fault drop_buffer needs buffer=<index> and point='wire'")
+        if self.kind == "cast_dtype" and not self.dtype:
+            raise ValueError("fault cast_dtype needs dtype=<name>, e.g. 'float16'")
+
+
+@dataclass(frozen=True)
+class FaultPlan:
+    """The faults of one run. Empty by default: a plan that breaks nothing."""
+
+    faults: tuple[Fault, ...] = field(default_factory=tuple)
+
+    def at(self, point: str, name: str | None = None, kind: str | None = None) -> list[Fault]:
+        """The faults that strike at ``point`` (on parameter ``name``, of ``kind``, if given)."""
+        return [
+            f
+            for f in self.faults
+            if f.point == point and (name is None or name in f.params) and (kind is None or f.kind == kind)
+        ]
+
+    def drops_buffer(self, index: int) -> bool:
+        """Whether buffer message ``index`` is lost on the wire."""
+        return any(f.kind == "drop_buffer" and f.buffer == index for f in self.faults)
+
+    def alter(self, point: str, name: str, t: torch.Tensor) -> torch.Tensor | None:
+        """``t`` as the faults at ``point`` leave it: a changed copy, ``t`` itself, or None if dropped.
+
+        Handles the per-parameter kinds (flip_bit, drop_param, cast_dtype);
+        swap_params and shift_offset move bytes between parameters and are
+        applied by the transport, which holds the buffer.
+        """
+        import torch
+
+        out = t
+        for f in self.at(point, name):
+            if f.kind == "drop_param":
+                return None
+            if f.kind == "flip_bit":
+                out = out.detach().clone()
+                flat = out.reshape(-1).view(torch.uint8)
+                flat[(f.bit // 8) % flat.numel()] ^= 1 << (f.bit % 8)
+            elif f.kind == "cast_dtype":
+                from wcviz.digest import parse_dtype
+
+                target = parse_dtype(f.dtype or "")
+                if target.itemsize != out.element_size():
+                    raise ValueError(f"fault cast_dtype on {name!r}: {out.dtype} -> {target} changes the byte size")
+                out = out.detach().to(target)
+        return out
