@@ -57,7 +57,7 @@ def plan(sizes: Sequence[tuple[str, int]], capacity: int) -> list[Bucket]:
                 names, offsets, used = [], [], 0
             out.append(Bucket((name,), (0,), aligned(nbytes), own=True))
             continue
-        if used + nbytes > capacity:
+        if aligned(used + nbytes) > capacity:  # the aligned end too: capacity need not be a multiple of ALIGN
             out.append(Bucket(tuple(names), tuple(offsets), used))
             names, offsets, used = [], [], 0
         names.append(name)

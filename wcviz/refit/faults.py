@@ -15,6 +15,9 @@ never delivered: ``buffer`` is its 0-based index in the stream), ``shift_offset`
 (the bytes of one parameter arrive ``shift`` bytes late), ``cast_dtype`` (a
 parameter is cast to ``dtype`` on that path, same byte size), ``swap_params``
 (two same-size parameters' bytes trade places).
+
+``ranks`` limits a fault to some receivers where a transport has several (the
+broadcast); empty, the default, strikes every receiver.
 """
 
 from __future__ import annotations
@@ -42,8 +45,15 @@ class Fault:
     bit: int = 0
     shift: int = 8
     dtype: str | None = None
+    ranks: tuple[int, ...] = ()  # the receiver ranks it strikes, where a transport has several; empty: all
 
     def __post_init__(self) -> None:
+        if isinstance(self.ranks, (int, str)):
+            raise ValueError(f"fault {self.kind} ranks must be a tuple of ranks, got {self.ranks!r}")
+        object.__setattr__(self, "ranks", tuple(int(r) for r in self.ranks))
+        if isinstance(self.params, str):  # "w" would pass the count check and then match by substring
+            raise ValueError(f"fault {self.kind} params must be a tuple of names, got the string {self.params!r}")
+        object.__setattr__(self, "params", tuple(self.params))
         if self.kind not in KINDS:
             raise ValueError(f"unknown fault kind {self.kind!r}; choose one of {', '.join(KINDS)}")
         if self.point not in POINTS:
@@ -89,7 +99,10 @@ class FaultPlan:
             if f.kind == "drop_param":
                 return None
             if f.kind == "flip_bit":
-                out = out.detach().clone()
+                if out.numel() == 0:
+                    raise ValueError(f"fault flip_bit on {name!r}: the tensor is empty, it has no bit to flip")
+                # contiguous: reshape(-1) of a strided (e.g. transposed) clone would copy and the flip would be lost
+                out = out.detach().clone(memory_format=torch.contiguous_format)
                 flat = out.reshape(-1).view(torch.uint8)
                 flat[(f.bit // 8) % flat.numel()] ^= 1 << (f.bit % 8)
             elif f.kind == "cast_dtype":

@@ -84,6 +84,9 @@ class RefitDigestMismatch(RefitError):
         super().__init__(result.describe())
         self.result = result
 
+    def __reduce__(self) -> tuple[type[RefitDigestMismatch], tuple[RefitResult]]:
+        return (type(self), (self.result,))  # it crosses process boundaries; args alone would lose .result
+
 
 def check(mode: str, sender: Mapping[str, str], receiver: Mapping[str, str] | None, *, nbytes: int = 0) -> RefitResult:
     """Compare the two sides' digests as ``mode`` says; see the module docstring."""

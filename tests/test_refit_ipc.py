@@ -1,0 +1,667 @@
+"""The colocated IPC refit: a real receiver process, a real socket, bytes that provably arrive.
+
+One receiver process (multiprocessing *spawn*: numba/OpenMP threads and fork do
+not mix) serves every stream its test sends it a command for, and reports back
+what its model holds byte for byte, the messages it saw, how many digests it
+computed and whether it still maps any staging buffer. Only the tests that kill
+a receiver start processes of their own.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import multiprocessing as mp
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from wcviz.refit import (
+    Fault,
+    FaultPlan,
+    RefitDigestMismatch,
+    RefitError,
+    RefitProtocolError,
+    RefitResult,
+    RefitTimeout,
+    _packing,
+    ipc,
+)
+from wcviz.refit._transport import Transport
+from wcviz.refit.ipc import IPCReceiver, IPCSender
+
+BUFFER = 32 << 10  # tiny staging buffers: several ping-pong batches, and 32 KiB parameters travel alone
+FAST = 2.0  # seconds: the timeouts of the tests where a peer goes silent
+SLACK = 1.5  # what a timeout may overrun by
+
+
+def build_model() -> dict[str, torch.Tensor]:
+    """A small Llama-like state dict: mixed dtypes, a 0-d and an empty tensor, two parameters too big to share a buffer."""
+    g = torch.Generator().manual_seed(0)
+
+    def rnd(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        if dtype.is_floating_point:
+            return torch.randn(shape, generator=g).to(dtype)
+        return torch.randint(-1000, 1000, shape, generator=g, dtype=dtype)
+
+    m = {"model.embed_tokens.weight": rnd((128, 128), torch.bfloat16)}
+    for i in range(4):
+        p = f"model.layers.{i}."
+        m |= {
+            p + "input_layernorm.weight": rnd((32,), torch.float32),
+            p + "self_attn.q_proj.weight": rnd((32, 32), torch.float32),
+            p + "self_attn.k_proj.weight": rnd((16, 32), torch.bfloat16),
+            p + "self_attn.v_proj.weight": rnd((16, 32), torch.float16),
+            p + "self_attn.o_proj.weight": rnd((32, 32), torch.float32),
+            p + "post_attention_layernorm.weight": rnd((32,), torch.float32),
+            p + "mlp.gate_proj.weight": rnd((64, 32), torch.bfloat16),
+            p + "mlp.up_proj.weight": rnd((64, 32), torch.bfloat16),
+            p + "mlp.down_proj.weight": rnd((32, 64), torch.float32),
+        }
+        if i == 0:
+            m |= {
+                p + "self_attn.qk_norm.weight": rnd((4, 8), torch.float32),
+                p + "self_attn.o_proj.bias": rnd((0,), torch.float32),
+                p + "mlp.expert_ids": rnd((7,), torch.int64),
+            }
+    m |= {
+        "model.rotary_emb.scale": rnd((), torch.float32),
+        "model.norm.weight": rnd((32,), torch.float32),
+        "lm_head.weight": rnd((64, 128), torch.float32),
+    }
+    return m
+
+
+MODEL = build_model()
+META = {n: (tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in MODEL.items()}
+BUCKETS = _packing.plan([(n, t.numel() * t.element_size()) for n, t in MODEL.items()], BUFFER)
+
+FLIP = "model.layers.1.mlp.down_proj.weight"
+DROP = "model.layers.2.self_attn.q_proj.weight"
+NORM = "model.norm.weight"  # 128 bytes: room to shift inside its 512-byte slot
+CAST = "model.layers.1.mlp.gate_proj.weight"  # bf16
+K0, V0, V3 = (
+    "model.layers.0.self_attn.k_proj.weight",
+    "model.layers.0.self_attn.v_proj.weight",
+    "model.layers.3.self_attn.v_proj.weight",
+)
+QK_NORM = "model.layers.0.self_attn.qk_norm.weight"
+
+
+def raw(t: torch.Tensor) -> bytes:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def shm_leftovers() -> list[str]:
+    """Segments this test process created and never unlinked."""
+    return sorted(p for p in os.listdir("/dev/shm") if p.startswith(f"wcviz_{os.getpid()}_"))
+
+
+# --- the receiver process --------------------------------------------------------------
+
+
+class DyingReceiver(IPCReceiver):
+    """Dies (SIGKILL) on COMPLETE, before it can answer."""
+
+    def _complete(self, stream: Any) -> dict[str, Any]:
+        os.kill(os.getpid(), signal.SIGKILL)
+        return {}
+
+
+def receiver_main(conn: Any) -> None:
+    """Serve one refit per command from the test until told to stop (None); report each."""
+    from wcviz.digest import _api, digest_hex
+
+    digest_hex(torch.ones(3))  # load numba now, not inside a timed wait
+    calls = [0]
+    for fn in ("_words", "_sha256_of"):  # every digest wcviz computes goes through one of these
+        original = getattr(_api, fn)
+
+        def counted(*a: Any, _original: Any = original, **k: Any) -> Any:
+            calls[0] += 1
+            return _original(*a, **k)
+
+        setattr(_api, fn, counted)
+    conn.send("ready")
+    while (cmd := conn.recv()) is not None:
+        conn.send(serve(cmd, calls))
+
+
+def serve(cmd: dict[str, Any], calls: list[int]) -> dict[str, Any]:
+    meta = cmd["metadata"]
+    model = {n: torch.zeros(shape, dtype=getattr(torch, dtype)) for n, (shape, dtype) in meta.items()}
+    loads: list[list[str]] = []
+
+    def load_weights(batch: list[tuple[str, torch.Tensor]]) -> None:
+        action = cmd["on_load"].get(len(loads))
+        loads.append([n for n, _ in batch])
+        if action == "die":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if action == "interrupt":
+            raise KeyboardInterrupt
+        if action == "fail":
+            raise RuntimeError("out of memory loading the batch")
+        if action == "hang":
+            time.sleep(cmd["hang_s"])
+        for name, t in batch:
+            model[name].copy_(t)
+
+    wire: list[tuple[str, dict[str, Any]]] = []
+    before = calls[0]
+    digests: list[Any] = []
+    error = None
+    cls = DyingReceiver if cmd["die_on_complete"] else IPCReceiver
+    with cls(
+        cmd["address"],
+        meta,
+        load_weights,
+        verify=cmd["verify"],
+        faults=cmd["faults"],
+        timeout_s=cmd["timeout_s"],
+        wire_log=wire,
+    ) as receiver:
+        try:
+            for _ in range(cmd["serves"]):
+                digests.append(receiver.serve())
+        except BaseException as e:  # noqa: BLE001 - KeyboardInterrupt too: report it
+            error = f"{type(e).__name__}: {e}"
+        # the receiver is still open: serve() itself must have let go of every buffer
+        mapped = [line for line in Path("/proc/self/maps").read_text().splitlines() if "wcviz_" in line]
+    return {
+        "error": error,
+        "digests": [dict(d) if d is not None else None for d in digests],
+        "model": {n: raw(t) for n, t in model.items()},
+        "wire": wire,
+        "digest_calls": calls[0] - before,
+        "mapped": mapped,
+        "loads": loads,
+    }
+
+
+@dataclass
+class Worker:
+    proc: Any
+    conn: Any
+
+    def start(self, address: str, **cmd: Any) -> None:
+        defaults = {
+            "metadata": META,
+            "verify": "log",
+            "faults": FaultPlan(),
+            "timeout_s": 10.0,
+            "serves": 1,
+            "on_load": {},
+            "hang_s": 0.0,
+            "die_on_complete": False,
+        }
+        self.conn.send({**defaults, **cmd, "address": address})
+
+    def report(self, timeout: float = 30.0) -> dict[str, Any]:
+        assert self.conn.poll(timeout), "the receiver process did not report"
+        return self.conn.recv()
+
+
+def spawn_receiver() -> Worker:
+    ctx = mp.get_context("spawn")
+    here, there = ctx.Pipe()
+    proc = ctx.Process(target=receiver_main, args=(there,), daemon=True)
+    proc.start()
+    assert here.poll(120) and here.recv() == "ready", "the receiver process did not start"
+    return Worker(proc, here)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def numba_loaded() -> None:
+    """Load the digest's numba kernels before any timed wait (a receiver waits on the sender's digests)."""
+    from wcviz.digest import digest_hex
+
+    digest_hex(torch.ones(3))
+
+
+@pytest.fixture(scope="module")
+def worker():
+    w = spawn_receiver()
+    yield w
+    w.conn.send(None)
+    w.proc.join(10)
+    if w.proc.is_alive():
+        w.proc.kill()
+
+
+@pytest.fixture
+def sender_digests(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts the digests computed in this (the sender's) process."""
+    from wcviz.digest import _api
+
+    calls = [0]
+    for fn in ("_words", "_sha256_of"):
+        original = getattr(_api, fn)
+
+        def counted(*a: Any, _original: Any = original, **k: Any) -> Any:
+            calls[0] += 1
+            return _original(*a, **k)
+
+        monkeypatch.setattr(_api, fn, counted)
+    return calls
+
+
+class TimedLog(list):
+    """A wire log that also notes when each message went out or came in."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.times: list[float] = []
+
+    def append(self, entry: Any) -> None:
+        self.times.append(time.monotonic())
+        super().append(entry)
+
+    def silence(self) -> float:
+        """Seconds since the last message: how long a timed-out wait lasted."""
+        return time.monotonic() - self.times[-1]
+
+
+@dataclass
+class Run:
+    results: list[RefitResult | None]
+    errors: list[BaseException | None]
+    waited: list[float]  # from the last message of each send() to its end
+    report: dict[str, Any]
+    wire: list[tuple[str, dict[str, Any]]]
+    socket: Path
+    leftovers: list[str] = field(default_factory=list)
+
+    @property
+    def result(self) -> RefitResult | None:
+        return self.results[0]
+
+    @property
+    def error(self) -> BaseException | None:
+        return self.errors[0]
+
+
+def refit(
+    worker: Worker,
+    *sends: dict[str, torch.Tensor],
+    verify: str = "log",
+    receiver_verify: str | None = None,
+    faults: FaultPlan | None = None,
+    timeout_s: float = 10.0,
+    receiver_timeout_s: float = 10.0,
+    **cmd: Any,
+) -> Run:
+    """Stream each of ``sends`` (default: the model once) from this process to the worker; gather both ends."""
+    sends = sends or (MODEL,)
+    faults = faults or FaultPlan()
+    cmd |= {"verify": receiver_verify or verify, "faults": faults, "timeout_s": receiver_timeout_s}
+    wire = TimedLog()
+    results, errors, waited = [], [], []
+    with IPCSender(verify=verify, faults=faults, buffer_bytes=BUFFER, timeout_s=timeout_s, wire_log=wire) as sender:
+        worker.start(sender.address, **cmd)
+        for tensors in sends:
+            try:
+                results.append(sender.send(tensors))
+                errors.append(None)
+            except RefitError as e:
+                results.append(None)
+                errors.append(e)
+            waited.append(wire.silence())
+        socket = Path(sender.address.removeprefix("ipc://"))
+    report = worker.report(timeout=cmd.get("timeout_s", 10.0) + cmd.get("hang_s", 0.0) + 20)
+    return Run(results, errors, waited, report, wire, socket, shm_leftovers())
+
+
+def assert_arrived(
+    report: dict[str, Any], expect: dict[str, torch.Tensor], *, except_for: set[str] = frozenset()
+) -> None:
+    """The receiver's model holds ``expect``'s bytes exactly (but for ``except_for``)."""
+    wrong = sorted(n for n, t in expect.items() if n not in except_for and report["model"][n] != raw(t))
+    assert wrong == []
+
+
+def assert_clean(run: Run) -> None:
+    """Nothing left behind on either end: segments, socket file, the receiver's mappings."""
+    assert run.leftovers == []
+    assert not run.socket.exists() and not run.socket.parent.exists()
+    assert run.report["mapped"] == []
+
+
+def normalized(wire: list[tuple[str, dict[str, Any]]], *, drop: str | None = None) -> list[tuple[str, dict[str, Any]]]:
+    """Messages with buffer handles reduced to what they say (kind, size, transient) and ``drop`` removed."""
+    out = []
+    for direction, msg in wire:
+        m = {k: v for k, v in msg.items() if k != drop}
+        if "buffer" in m:
+            m["buffer"] = (m["buffer"].kind, m["buffer"].nbytes, m["buffer"].transient)
+        out.append((direction, m))
+    return out
+
+
+# --- the model exercises every path ----------------------------------------------------
+
+
+def test_the_model_exercises_ping_pong_and_temporary_buffers() -> None:
+    staging = [b for b in BUCKETS if not b.own]
+    own = [b for b in BUCKETS if b.own]
+    assert len(staging) >= 3 and len(own) == 2
+    assert BUCKETS[0].own and BUCKETS[-1].own  # temporary buffers at both ends of the stream
+    assert any(MODEL[n].ndim == 0 for n in MODEL) and any(MODEL[n].numel() == 0 for n in MODEL)
+
+
+# --- 1. every mode delivers every byte; off digests nothing and says nothing more -------
+
+
+@pytest.mark.parametrize("mode", ["off", "log", "enforce"])
+def test_every_mode_delivers_every_byte(worker: Worker, mode: str, sender_digests: list[int]) -> None:
+    run = refit(worker, verify=mode)
+    assert run.error is None and run.report["error"] is None
+    assert_arrived(run.report, MODEL)
+    result = run.result
+    assert result is not None and result.params == len(MODEL)
+    assert result.nbytes == sum(t.numel() * t.element_size() for t in MODEL.values())
+    if mode == "off":
+        assert not result.verified and sender_digests[0] == 0 and run.report["digest_calls"] == 0
+        assert run.report["digests"] == [None]
+    else:
+        assert result.ok and set(result.receiver) == set(MODEL)
+        assert sender_digests[0] == len(MODEL) and run.report["digest_calls"] == len(MODEL)
+    assert_clean(run)
+
+    # what the sender sent is what the receiver got, through staging buffers that alternate
+    sent = [m for d, m in run.wire if d == "send"]
+    assert sent == [m for d, m in run.report["wire"] if d == "recv"]
+    assert [m["op"] for m in sent] == ["prepare"] + ["batch"] * len(BUCKETS) + ["complete"]
+    batches = [m for m in sent if m["op"] == "batch"]
+    assert [m["names"] for m in batches] == [list(b.names) for b in BUCKETS]
+    assert [m["used"] for m in batches] == [b.used for b in BUCKETS]
+    assert [m["buffer"].transient for m in batches] == [b.own for b in BUCKETS]
+    staging = [m["buffer"].key for m in batches if not m["buffer"].transient]
+    assert len(set(staging)) == 2 and all(a != b for a, b in itertools.pairwise(staging))
+
+
+def test_off_sends_exactly_the_messages_of_an_unverified_transport(worker: Worker) -> None:
+    off, on = refit(worker, verify="off"), refit(worker, verify="log")
+    assert off.result is not None and on.result is not None and on.result.ok
+    for a, b in ((off.wire, on.wire), (off.report["wire"], on.report["wire"])):
+        assert normalized(a) == normalized(b, drop="digests")
+        assert not any("digests" in m for _, m in a)
+    final = on.wire[-1][1]
+    assert final["op"] == "ack" and set(final["digests"]) == set(MODEL)
+
+
+def test_one_receiver_serves_refit_after_refit(worker: Worker) -> None:
+    second = {n: t + 1 if t.is_floating_point() else t * 2 for n, t in MODEL.items()}
+    run = refit(worker, MODEL, second, serves=2)
+    assert run.errors == [None, None] and all(r is not None and r.ok for r in run.results)
+    assert [m["op"] for d, m in run.wire if d == "send"].count("prepare") == 1  # asked once
+    assert_arrived(run.report, second)
+    assert_clean(run)
+
+
+# --- 2. every fault at every point where it applies, with the exact names --------------
+
+POINTS = ("sender_after_digest", "wire", "receiver_before_load")
+CASES: list[tuple[str, tuple[Fault, ...], set[str], set[str]]] = []  # (id, faults, mismatched, missing)
+for _point in POINTS:
+    CASES += [
+        (f"flip_bit-{_point}", (Fault("flip_bit", _point, (FLIP,), bit=13),), {FLIP}, set()),
+        (f"drop_param-{_point}", (Fault("drop_param", _point, (DROP,)),), set(), {DROP}),
+        (f"shift_offset-{_point}", (Fault("shift_offset", _point, (NORM,)),), {NORM}, set()),
+        (f"cast_dtype-{_point}", (Fault("cast_dtype", _point, (CAST,), dtype="float16"),), {CAST}, set()),
+        (f"swap_params-across-batches-{_point}", (Fault("swap_params", _point, (K0, V3)),), {K0, V3}, set()),
+    ]
+CASES += [
+    ("swap_params-same-batch-receiver", (Fault("swap_params", "receiver_before_load", (K0, V0)),), {K0, V0}, set()),
+    ("drop_buffer-staging", (Fault("drop_buffer", "wire", buffer=2),), set(), set(BUCKETS[2].names)),
+    ("drop_buffer-temporary", (Fault("drop_buffer", "wire", buffer=0),), set(), set(BUCKETS[0].names)),
+    (
+        "shift_offset-no-room-clipped",
+        (Fault("shift_offset", "wire", ("model.layers.2.mlp.down_proj.weight",)),),
+        {"model.layers.2.mlp.down_proj.weight"},
+        set(),
+    ),
+    (
+        "shift_offset-temporary-buffer",
+        (Fault("shift_offset", "wire", ("lm_head.weight",), shift=100),),
+        {"lm_head.weight"},
+        set(),
+    ),
+    (
+        "flip_bit-0d-wire",
+        (Fault("flip_bit", "wire", ("model.rotary_emb.scale",), bit=30),),
+        {"model.rotary_emb.scale"},
+        set(),
+    ),
+    (
+        "flip_bit-and-drop_param",
+        (Fault("flip_bit", "sender_after_digest", (FLIP,)), Fault("drop_param", "receiver_before_load", (DROP,))),
+        {FLIP},
+        {DROP},
+    ),
+]
+assert len(BUCKETS[2].names) >= 2
+
+
+@pytest.mark.parametrize("mode", ["log", "enforce"])
+@pytest.mark.parametrize("faults,mismatched,missing", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_every_fault_is_reported_with_exact_names(
+    worker: Worker,
+    caplog: pytest.LogCaptureFixture,
+    mode: str,
+    faults: tuple[Fault, ...],
+    mismatched: set[str],
+    missing: set[str],
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="wcviz.refit"):
+        run = refit(worker, verify=mode, faults=FaultPlan(faults))
+    assert run.report["error"] is None  # the receiver completed the stream
+    bad = mismatched | missing
+    if mode == "enforce":
+        assert isinstance(run.error, RefitDigestMismatch)
+        result = run.error.result
+        assert all(name in str(run.error) for name in bad)
+    else:
+        assert run.error is None and run.result is not None
+        result = run.result
+        warned = {
+            r.getMessage().split()[2]
+            for r in caplog.records
+            if r.name == "wcviz.refit" and r.levelno == logging.WARNING
+        }
+        assert warned == bad
+    assert (set(result.mismatched), set(result.missing), result.unexpected) == (mismatched, missing, ())
+    assert result.params == len(MODEL) and not result.ok
+    assert_arrived(run.report, MODEL, except_for=bad)  # the faults struck only where they were aimed
+    recast = {n for f in faults if f.kind == "cast_dtype" and f.point == "receiver_before_load" for n in f.params}
+    for name in bad - missing - recast:  # (a bf16 -> fp16 cast may round-trip exactly when loaded back into bf16)
+        assert run.report["model"][name] != raw(MODEL[name])
+    assert_clean(run)
+
+
+# --- 3. metadata drift after prepare ---------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "name,drifted",
+    [(QK_NORM, MODEL[QK_NORM].reshape(8, 4)), (K0, MODEL[K0].to(torch.float16))],
+    ids=["shape-same-bytes", "dtype-same-bytes"],
+)
+def test_same_size_drift_is_a_digest_mismatch(worker: Worker, name: str, drifted: torch.Tensor) -> None:
+    run = refit(worker, {**MODEL, name: drifted})
+    assert run.error is None and run.result is not None
+    assert (run.result.mismatched, run.result.missing, run.result.unexpected) == ((name,), (), ())
+
+
+@pytest.mark.parametrize(
+    "tensors,named",
+    [
+        ({**MODEL, QK_NORM: MODEL[QK_NORM][:, :4]}, QK_NORM),
+        ({**MODEL, "model.extra.weight": torch.ones(3)}, "model.extra.weight"),
+    ],
+    ids=["byte-size", "unknown-name"],
+)
+def test_framing_drift_is_refused_before_anything_is_sent(
+    worker: Worker, tensors: dict[str, torch.Tensor], named: str
+) -> None:
+    run = refit(worker, tensors, MODEL)  # the refused refit, then a good one the same receiver serves
+    assert isinstance(run.errors[0], RefitProtocolError) and named in str(run.errors[0])
+    assert run.errors[1] is None and run.results[1] is not None and run.results[1].ok
+    ops = [m["op"] for d, m in run.wire if d == "send"]
+    assert ops[:2] == ["prepare", "prepare"]  # nothing but prepare went out for the refused refit
+    assert run.report["error"] is None
+    assert_arrived(run.report, MODEL)
+    assert_clean(run)
+
+
+def test_receiver_refuses_a_batch_that_does_not_add_up(worker: Worker) -> None:
+    """The sender prepared against one receiver; a receiver with another model answers the next refit."""
+    name = "model.layers.1.mlp.down_proj.weight"
+    wire: list[tuple[str, dict[str, Any]]] = []
+    with IPCSender(verify="log", buffer_bytes=BUFFER, timeout_s=10, wire_log=wire) as sender:
+        worker.start(sender.address)
+        assert sender.send(MODEL).ok
+        assert worker.report()["error"] is None
+        worker.start(sender.address, metadata={**META, name: ((32, 32), "float32")})  # 4096 bytes, not 8192
+        with pytest.raises(
+            RefitProtocolError, match=rf"refused batch \d+ \(.*{name}.*\).*{name} \(float32 \[32, 32\], 4096 bytes\)"
+        ):
+            sender.send(MODEL)
+        report = worker.report()
+    assert report["error"].startswith("RefitProtocolError") and name in report["error"]
+    assert report["loads"] and all(name not in names for names in report["loads"])  # the refused batch was never loaded
+    assert wire[-1][1]["ok"] is False
+
+
+# --- 4. a sender that verifies, a receiver that does not ---------------------------------
+
+
+def test_receiver_without_digests_is_a_protocol_error(worker: Worker) -> None:
+    run = refit(worker, verify="enforce", receiver_verify="off")
+    assert isinstance(run.error, RefitProtocolError) and not isinstance(run.error, RefitDigestMismatch)
+    assert "no digests" in str(run.error)
+    assert run.report["digest_calls"] == 0 and run.report["error"] is None
+    assert_arrived(run.report, MODEL)
+
+
+# --- 5. dead and hung receivers ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("where", ["mid-stream", "before-complete"])
+def test_dead_receiver_is_a_timeout(where: str) -> None:
+    dying = spawn_receiver()
+    try:
+        wire = TimedLog()
+        with IPCSender(verify="log", buffer_bytes=BUFFER, timeout_s=FAST, wire_log=wire) as sender:
+            kw = {"on_load": {1: "die"}} if where == "mid-stream" else {"die_on_complete": True}
+            dying.start(sender.address, **kw)
+            t0 = time.monotonic()
+            with pytest.raises(RefitTimeout) as err:
+                sender.send(MODEL)
+            waited, elapsed = wire.silence(), time.monotonic() - t0
+            socket = Path(sender.address.removeprefix("ipc://"))
+        dying.proc.join(10)
+        assert dying.proc.exitcode == -signal.SIGKILL
+    finally:
+        if dying.proc.is_alive():
+            dying.proc.kill()
+    awaited = "the ack of batch 1" if where == "mid-stream" else "the final ack"
+    assert awaited in str(err.value) and sender.address in str(err.value)
+    assert wire[-1][1]["op"] == ("batch" if where == "mid-stream" else "complete")
+    assert FAST <= waited < FAST + SLACK and elapsed < 30
+    assert shm_leftovers() == [] and not socket.exists() and not socket.parent.exists()
+
+
+def test_hung_receiver_is_a_timeout_and_the_receiver_gives_up_too(worker: Worker) -> None:
+    run = refit(worker, timeout_s=FAST, receiver_timeout_s=FAST, on_load={1: "hang"}, hang_s=FAST + 1)
+    assert isinstance(run.error, RefitTimeout) and "the ack of batch 1" in str(run.error)
+    assert FAST <= run.waited[0] < FAST + SLACK
+    assert run.report["error"].startswith("RefitTimeout") and "waiting for the next request" in run.report["error"]
+    assert_clean(run)
+
+
+def test_load_failure_is_reported_at_once_not_as_a_timeout(worker: Worker) -> None:
+    run = refit(worker, timeout_s=30.0, on_load={1: "fail"})
+    assert isinstance(run.error, RefitProtocolError)
+    assert "refused batch 1" in str(run.error) and "out of memory loading the batch" in str(run.error)
+    assert run.waited[0] < 5.0  # the error reply, not the 30-second timeout
+    assert run.report["error"].startswith("RuntimeError")
+    assert_clean(run)
+
+
+def test_no_receiver_is_a_timeout() -> None:
+    with IPCSender(verify="log", timeout_s=0.5) as sender:
+        t0 = time.monotonic()
+        with pytest.raises(RefitTimeout, match=r"sending the prepare request: no receiver connected at ipc://"):
+            sender.send(MODEL)
+        assert time.monotonic() - t0 < 0.5 + SLACK
+
+
+# --- 6. interruption ----------------------------------------------------------------------
+
+
+def test_sender_interrupted_mid_stream_leaves_nothing(worker: Worker, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Strike while packing the 4th staging batch: the batch still loading is in a buffer the receiver
+    # attached before, so the receiver can only notice the sender is gone by its silence.
+    victim = MODEL[[b for b in BUCKETS if not b.own][3].names[0]]
+    real_pack = ipc.pack
+
+    def pack(buf: torch.Tensor, offset: int, t: torch.Tensor) -> None:
+        if t is victim:
+            raise KeyboardInterrupt
+        real_pack(buf, offset, t)
+
+    monkeypatch.setattr(ipc, "pack", pack)
+    with IPCSender(verify="log", buffer_bytes=BUFFER, timeout_s=10) as sender:
+        worker.start(sender.address, timeout_s=FAST)
+        with pytest.raises(KeyboardInterrupt):
+            sender.send(MODEL)
+        assert shm_leftovers() == []  # freed by send() itself, before close()
+        socket = Path(sender.address.removeprefix("ipc://"))
+    report = worker.report()
+    assert report["error"].startswith("RefitTimeout") and report["mapped"] == []
+    assert len(report["loads"]) >= 3  # it was interrupted mid-stream, not before
+    assert shm_leftovers() == [] and not socket.exists() and not socket.parent.exists()
+
+
+def test_receiver_interrupted_mid_stream_lets_go_of_its_buffers(worker: Worker) -> None:
+    run = refit(worker, timeout_s=FAST, on_load={2: "interrupt"})
+    assert isinstance(run.error, RefitTimeout)
+    assert run.report["error"].startswith("KeyboardInterrupt")
+    assert_clean(run)  # including: the receiver, still open, maps no staging buffer
+
+
+# --- 7. a transport that cannot verify refuses to be asked to --------------------------
+
+
+@dataclass
+class VerifyConfigLike:
+    mode: str
+
+
+@pytest.mark.parametrize("verify", ["log", "enforce", VerifyConfigLike("enforce")])
+def test_transport_without_verification_refuses_a_verify_mode(tmp_path: Path, verify: Any) -> None:
+    class BlindSender(IPCSender):
+        supports_verify = False
+
+    class BlindReceiver(IPCReceiver):
+        supports_verify = False
+
+    mode = getattr(verify, "mode", verify)
+    with pytest.raises(RefitError, match=rf"BlindSender.*{mode!r}"):
+        BlindSender(verify=verify)
+    with pytest.raises(RefitError, match=rf"BlindReceiver.*{mode!r}"):
+        BlindReceiver(f"ipc://{tmp_path}/x.sock", META, lambda batch: None, verify=verify)
+    with (
+        BlindSender(verify="off") as s,
+        BlindReceiver(s.address, META, lambda batch: None, verify=VerifyConfigLike("off")) as r,
+    ):
+        assert s.mode == r.mode == "off"
+    assert IPCSender.supports_verify and IPCReceiver.supports_verify and issubclass(IPCSender, Transport)
+    with pytest.raises(ValueError, match="unknown verify mode 'loud'"):
+        IPCSender(verify="loud")

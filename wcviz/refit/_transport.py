@@ -1,0 +1,41 @@
+"""What every refit transport shares: the verify mode, and whether the transport can honour it.
+
+A transport that cannot digest both ends of a stream declares
+``supports_verify = False``; asking it to verify is then an error at
+construction, never a refit that silently runs unverified.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from wcviz.refit.verify import MODES, RefitError
+
+__all__ = ["Transport", "verify_mode"]
+
+
+def verify_mode(verify: Any) -> str:
+    """The mode named by ``verify``: a string, or a config object with a ``.mode`` (e.g. ``VerifyConfig``)."""
+    mode = getattr(verify, "mode", verify)
+    if mode not in MODES:
+        raise ValueError(f"unknown verify mode {mode!r}; choose one of {', '.join(MODES)}")
+    return str(mode)
+
+
+class Transport:
+    """Base of the refit transports: resolves ``verify`` once and refuses a mode it cannot honour."""
+
+    supports_verify: ClassVar[bool] = True
+
+    def __init__(self, verify: Any = "off") -> None:
+        self.mode = verify_mode(verify)
+        if self.mode != "off" and not self.supports_verify:
+            raise RefitError(
+                f"transport {type(self).__name__} cannot verify a refit, but verify mode {self.mode!r} was asked for; "
+                "use mode 'off' or a transport that supports verification"
+            )
+
+    @property
+    def verifying(self) -> bool:
+        """Whether this end digests what it sends or receives."""
+        return self.mode != "off"

@@ -1,0 +1,708 @@
+"""Refit over ``torch.distributed``: one trainer rank broadcasts buckets of weights to engine ranks.
+
+The second transport next to the colocated IPC one, with the same verification
+semantics. Every member of the process group (the caller initialises it, or
+passes ``group``) takes part in every collective below, in this order; the
+sender is the ``src`` rank, every other member is an engine (a receiver).
+Ranks are global ranks throughout.
+
+Prepare (once, :meth:`BroadcastSender.prepare` / :meth:`BroadcastReceiver.prepare`):
+
+1. a monitored barrier (gloo only): a rank that never arrives is named;
+2. ``broadcast_object_list`` from ``src``: ``{"algo": ...}``, the digest
+   algorithm every receiver uses, so both sides' digests compare;
+3. ``gather_object`` to ``src``: each engine's own metadata
+   ``{name: (shape, dtype)}``. The receivers slice with it; the sender keeps
+   it to name each parameter whose byte size differs on an engine (also when
+   the difference hides inside the alignment padding and the walk adds up).
+
+Stream (each :meth:`BroadcastSender.send` / :meth:`BroadcastReceiver.receive`):
+
+1. a monitored barrier (gloo only);
+2. per bucket (planned by :func:`wcviz.refit._packing.plan` over
+   ``buffer_bytes``, 512-aligned offsets, a parameter larger than half the
+   buffer alone in its own bucket): a header
+   ``{"kind": "bucket", "index", "names", "used"}`` by
+   ``broadcast_object_list``, then ``used`` bytes by ``broadcast`` (skipped
+   when ``used`` is 0). Each receiver walks ``names`` with its own metadata;
+   a name it does not know, or a walked end other than ``used``, means the
+   bucket is not loaded and the error is kept for the end (the receiver still
+   takes part in every collective, so nothing deadlocks). Otherwise it slices
+   views, applies its faults, digests them (when it verifies) and calls
+   ``load_weights([(name, tensor), ...])``.
+3. ``{"kind": "complete"}`` (or ``{"kind": "abort", "error"}`` when the
+   sender failed mid-stream: then every side raises and nothing follows);
+4. ``gather_object`` to ``src``: each engine's report ``{"errors": [...]}``,
+   plus ``"digests": {name: hex}`` only when that engine verifies. With
+   ``off`` everywhere no digest is computed and none is sent.
+
+The sender then raises :class:`RefitProtocolError` naming rank and parameters
+for any receiver error or size drift, and, when it verifies, for a receiver
+that sent no digests; otherwise it compares each rank's digests with its own
+(:func:`wcviz.refit.verify.check`) and returns a :class:`BroadcastResult` with
+one :class:`RefitResult` per engine rank. ``log`` warns once per bad
+parameter and rank; ``enforce`` raises :class:`BroadcastDigestMismatch` (a
+:class:`RefitDigestMismatch`) naming every bad rank and parameter.
+
+Timeouts: every collective runs under the process group's timeout (set it with
+``init_process_group(timeout=...)`` or ``new_group(timeout=...)``); on gloo a
+dead peer fails the collective at once ("connection closed/reset by peer") or
+when that timeout runs out, and either surfaces as :class:`RefitTimeout`
+naming the step and the rank it failed on. The monitored barrier that opens
+prepare and each stream names the ranks that did not arrive: group rank 0
+(normally the trainer) waits ``timeout_s`` for them (default: the default
+group's timeout), the others wait for its answer at most the group's timeout.
+So a dead engine costs the trainer at most ``timeout_s`` before a stream and
+the group's timeout within one, and a live engine at most the group's timeout.
+NCCL has no monitored barrier; there the group timeout and NCCL's watchdog
+(``TORCH_NCCL_ASYNC_ERROR_HANDLING``) apply.
+
+Faults (:class:`wcviz.refit.faults.FaultPlan`, given to both sides):
+``sender_after_digest`` alters what the sender packs after digesting it;
+``wire`` alters the packed bucket (``drop_param`` and ``swap_params`` act as
+the bucket is packed, ``drop_buffer`` skips a bucket the sender still counts
+as sent); ``receiver_before_load`` alters the sliced views. A fault with
+``ranks`` strikes only those engine ranks; that works for
+``receiver_before_load`` and for ``wire`` (the named ranks corrupt the bucket
+as it reaches them), not for ``sender_after_digest`` (one buffer goes to all).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from datetime import timedelta
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from wcviz.digest import DEFAULT_ALGO, DigestAccumulator, parse_dtype
+from wcviz.digest._lanes import logical_bytes
+from wcviz.refit._packing import ALIGN, Meta, pack, plan, unpack, walk
+from wcviz.refit._transport import Transport
+from wcviz.refit.faults import Fault, FaultPlan
+from wcviz.refit.verify import (
+    RefitDigestMismatch,
+    RefitError,
+    RefitProtocolError,
+    RefitResult,
+    RefitTimeout,
+    check,
+)
+
+__all__ = [
+    "BroadcastDigestMismatch",
+    "BroadcastReceiver",
+    "BroadcastResult",
+    "BroadcastSender",
+    "Received",
+    "backend_for",
+    "metadata_of",
+]
+
+log = logging.getLogger("wcviz.refit")
+
+DEFAULT_BUFFER_BYTES = 256 * 1024 * 1024
+LoadWeights = Callable[[list[tuple[str, torch.Tensor]]], Any]
+NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
+_T = TypeVar("_T")
+
+
+# --- helpers both sides use ------------------------------------------------------------------------------------
+
+
+def backend_for(device: torch.device | str) -> str:
+    """The process-group backend for staging buffers on ``device``: NCCL on CUDA, gloo on the CPU."""
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+
+
+def _meta(t: torch.Tensor) -> Meta:
+    return tuple(int(d) for d in t.shape), str(t.dtype).removeprefix("torch.")
+
+
+def _nbytes(meta: Meta) -> int:
+    shape, dtype = meta
+    return math.prod(shape) * parse_dtype(dtype).itemsize
+
+
+def _describe(meta: Meta) -> str:
+    return f"{meta[1]}{list(meta[0])} ({_nbytes(meta)} bytes)"
+
+
+def metadata_of(named_tensors: NamedTensors) -> dict[str, Meta]:
+    """``{name: (shape, dtype name)}`` of an engine's weights: what a :class:`BroadcastReceiver` slices with."""
+    items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
+    return {name: _meta(t) for name, t in items}
+
+
+def _metadata(metadata: Mapping[str, tuple[Sequence[int], Any]]) -> dict[str, Meta]:
+    """``metadata`` in its exact form: shape tuples of ints, dtype names without "torch."."""
+    return {
+        name: (tuple(int(d) for d in shape), str(dtype).removeprefix("torch."))
+        for name, (shape, dtype) in metadata.items()
+    }
+
+
+def _pairs(named_tensors: NamedTensors) -> list[tuple[str, torch.Tensor]]:
+    items = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
+    seen: set[str] = set()
+    for name, t in items:
+        if not isinstance(name, str) or not isinstance(t, torch.Tensor):
+            raise TypeError(f"expected (str, torch.Tensor) pairs, got ({name!r:.60}, {type(t).__name__})")
+        if name in seen:
+            raise ValueError(f"parameter {name!r} is sent twice")
+        seen.add(name)
+    return items
+
+
+def _as_meta(t: torch.Tensor, meta: Meta, what: str) -> torch.Tensor:
+    """``t``'s bytes read as ``meta`` (same byte size): how swapped parameters arrive."""
+    raw = logical_bytes(t)
+    if raw.numel() != _nbytes(meta):
+        raise ValueError(f"fault swap_params on {what}: {raw.numel()} and {_nbytes(meta)} bytes differ")
+    return unpack(raw, 0, meta)
+
+
+def _shifted(t: torch.Tensor, shift: int) -> torch.Tensor:
+    """``t`` as it reads when its bytes arrive ``shift`` bytes late (zeros first, its tail lost)."""
+    raw = logical_bytes(t)
+    out = torch.zeros_like(raw)
+    if shift < raw.numel():
+        out[shift:] = raw[: raw.numel() - shift]
+    return unpack(out, 0, _meta(t))
+
+
+def _strike(faults: FaultPlan, point: str, name: str, t: torch.Tensor) -> torch.Tensor | None:
+    """``t`` after the per-parameter faults at ``point``: flip_bit, cast_dtype, drop_param, then shift_offset."""
+    out = faults.alter(point, name, t)
+    if out is None:
+        return None
+    shift = sum(f.shift for f in faults.at(point, name, kind="shift_offset"))
+    return _shifted(out, shift) if shift else out
+
+
+class _Swapper:
+    """swap_params on a stream: the first of a pair waits (as a copy) until its partner passes by."""
+
+    def __init__(self, faults: Iterable[Fault]) -> None:
+        self.partner: dict[str, str] = {}
+        for f in faults:
+            a, b = f.params
+            self.partner[a], self.partner[b] = b, a
+        self.held: dict[str, torch.Tensor] = {}
+
+    def __call__(self, name: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        other = self.partner.get(name)
+        if other is None:
+            return [(name, t)]
+        if other not in self.held:
+            self.held[name] = t.clone()
+            return []
+        theirs = self.held.pop(other)
+        what = f"{other!r} and {name!r}"
+        return [(other, _as_meta(t, _meta(theirs), what)), (name, _as_meta(theirs, _meta(t), what))]
+
+    def flush(self) -> list[tuple[str, torch.Tensor]]:
+        """The parameters whose partner never came, unswapped."""
+        out, self.held = list(self.held.items()), {}
+        return out
+
+
+def _group_ranks(group: dist.ProcessGroup | None) -> list[int]:
+    return dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+
+
+def _timeout(timeout_s: float | timedelta | None) -> timedelta | None:
+    if timeout_s is None or isinstance(timeout_s, timedelta):
+        return timeout_s
+    return timedelta(seconds=float(timeout_s))
+
+
+class _Member(Transport):
+    """What sender and receiver share: the group, the collectives wrapped so a dead peer is a RefitTimeout."""
+
+    def __init__(
+        self,
+        *,
+        verify: Any,
+        src: int,
+        group: dist.ProcessGroup | None,
+        faults: FaultPlan | None,
+        device: torch.device | str | None,
+        backend: str,
+        timeout_s: float | timedelta | None,
+    ) -> None:
+        super().__init__(verify)  # self.mode: off | log | enforce, refused at once if this transport cannot verify
+        self.src = int(src)
+        self.group = group
+        self.faults = faults or FaultPlan()
+        self.backend = backend
+        self.timeout = _timeout(timeout_s)
+        self._device = torch.device(device) if device is not None else None
+
+    @property
+    def rank(self) -> int:
+        """This process's global rank."""
+        return dist.get_rank()
+
+    @property
+    def device(self) -> torch.device:
+        """Where buckets are staged: the given device, else CUDA for an NCCL group and the CPU otherwise."""
+        if self._device is None:
+            if dist.get_backend(self.group) == "nccl":
+                self._device = torch.device("cuda", torch.cuda.current_device())
+            else:
+                self._device = torch.device("cpu")
+        return self._device
+
+    def _collective(self, step: str, fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
+        """Run one collective; a backend failure (timeout, a peer's closed connection) becomes RefitTimeout."""
+        try:
+            return fn(*args, **kwargs)
+        except RefitError:
+            raise
+        except RuntimeError as e:  # gloo and NCCL raise RuntimeError (DistBackendError) subclasses
+            raise RefitTimeout(
+                f"refit broadcast: {step} failed on rank {self.rank}: a peer is dead or did not answer in time ({e})"
+            ) from e
+
+    def _barrier(self, step: str) -> None:
+        """A monitored barrier on gloo, which names the ranks that never arrive; nothing on other backends."""
+        if dist.get_backend(self.group) == "gloo":
+            self._collective(
+                f"the barrier opening {step}",
+                dist.monitored_barrier,
+                group=self.group,
+                timeout=self.timeout,
+                wait_all_ranks=True,
+            )
+
+    def _broadcast_object(self, step: str, obj: Any = None) -> Any:
+        box = [obj]
+        device = self.device if self.device.type == "cuda" else None
+        self._collective(step, dist.broadcast_object_list, box, src=self.src, group=self.group, device=device)
+        return box[0]
+
+    def _broadcast_bytes(self, step: str, buf: torch.Tensor) -> None:
+        if buf.numel():
+            self._collective(step, dist.broadcast, buf, src=self.src, group=self.group)
+
+    def _gather(self, step: str, obj: Any) -> list[Any] | None:
+        """``gather_object`` to the sender: the list (indexed by group rank) there, None elsewhere."""
+        out: list[Any] | None = [None] * len(_group_ranks(self.group)) if self.rank == self.src else None
+        self._collective(step, dist.gather_object, obj, out, dst=self.src, group=self.group)
+        return out
+
+
+# --- results ---------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BroadcastResult:
+    """One broadcast refit: the sender's totals and a :class:`RefitResult` per engine, keyed by global rank."""
+
+    mode: str
+    params: int
+    nbytes: int
+    ranks: Mapping[int, RefitResult]
+
+    def __getitem__(self, rank: int) -> RefitResult:
+        return self.ranks[rank]
+
+    @property
+    def verified(self) -> bool:
+        """Whether every engine's digests were compared."""
+        return bool(self.ranks) and all(r.verified for r in self.ranks.values())
+
+    @property
+    def bad(self) -> dict[int, list[str]]:
+        """``{rank: sorted names that did not arrive intact there}``, only ranks with any."""
+        return {rank: r.bad for rank, r in self.ranks.items() if r.bad}
+
+    @property
+    def ok(self) -> bool:
+        """True only when every engine was verified and holds exactly what was sent."""
+        return self.verified and not self.bad
+
+    def describe(self) -> str:
+        """One line per engine rank, joined."""
+        return "; ".join(f"rank {rank}: {r.describe()}" for rank, r in self.ranks.items())
+
+
+class BroadcastDigestMismatch(RefitDigestMismatch):
+    """``enforce`` on a broadcast: some engines do not hold what was sent.
+
+    ``.broadcast`` is the whole :class:`BroadcastResult`, ``.ranks`` the bad
+    ranks, ``.result`` the first bad rank's :class:`RefitResult`.
+    """
+
+    def __init__(self, broadcast: BroadcastResult) -> None:
+        bad = {rank: r for rank, r in broadcast.ranks.items() if r.bad}
+        RefitError.__init__(self, "; ".join(f"rank {rank}: {r.describe()}" for rank, r in bad.items()))
+        self.broadcast = broadcast
+        self.ranks = tuple(bad)
+        self.result = next(iter(bad.values()))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.broadcast,))
+
+
+@dataclass(frozen=True)
+class Received:
+    """What one engine took in during a stream: buckets and parameters loaded, and its digests when it verifies."""
+
+    rank: int
+    buckets: int
+    params: int
+    nbytes: int
+    digests: Mapping[str, str] | None = None
+
+
+def _compare(sender: Mapping[str, str], receiver: Mapping[str, str], nbytes: int) -> RefitResult:
+    """verify.check's comparison of one rank, without its logging: the broadcast logs and raises per rank.
+
+    ``check`` raises in ``enforce`` before it logs anything; its result is on the exception.
+    """
+    try:
+        return check("enforce", sender, receiver, nbytes=nbytes)
+    except RefitDigestMismatch as e:
+        return e.result
+
+
+# --- sender ----------------------------------------------------------------------------------------------------
+
+
+class BroadcastSender(_Member):
+    """The trainer's end: :meth:`prepare` once, then :meth:`send` the weights for every refit.
+
+    ``verify``: off | log | enforce (or a config with ``.mode``). ``src``: this process's global rank (the
+    broadcast root). ``buffer_bytes``: the staging buffer a bucket fills.
+    ``timeout_s``: the monitored barrier's timeout (default: the default group's).
+    """
+
+    def __init__(
+        self,
+        *,
+        verify: Any = "off",
+        src: int = 0,
+        group: dist.ProcessGroup | None = None,
+        buffer_bytes: int = DEFAULT_BUFFER_BYTES,
+        faults: FaultPlan | None = None,
+        device: torch.device | str | None = None,
+        algo: str = DEFAULT_ALGO,
+        backend: str = "auto",
+        timeout_s: float | timedelta | None = None,
+    ) -> None:
+        super().__init__(
+            verify=verify, src=src, group=group, faults=faults, device=device, backend=backend, timeout_s=timeout_s
+        )
+        if buffer_bytes < ALIGN:
+            raise ValueError(f"buffer_bytes={buffer_bytes} is smaller than the {ALIGN}-byte alignment")
+        ranked = [f for f in self.faults.faults if f.ranks and f.point == "sender_after_digest"]
+        if ranked:
+            raise ValueError(
+                f"fault {ranked[0].kind} at sender_after_digest cannot be limited to ranks {list(ranked[0].ranks)}: "
+                "the sender packs one buffer for every engine; use point 'wire' or 'receiver_before_load'"
+            )
+        self.buffer_bytes = int(buffer_bytes)
+        self.algo = algo
+        self.metadata: dict[int, dict[str, Meta]] | None = None
+        self._mine = FaultPlan(tuple(f for f in self.faults.faults if not f.ranks))  # engines apply the ranked ones
+        self._buf: torch.Tensor | None = None
+
+    @property
+    def receivers(self) -> list[int]:
+        """The engines' global ranks: every member of the group but ``src``."""
+        return [r for r in _group_ranks(self.group) if r != self.src]
+
+    def prepare(self) -> dict[int, dict[str, Meta]]:
+        """Meet the engines: announce the digest algorithm, learn each engine's metadata (by global rank)."""
+        if self.rank != self.src:
+            raise ValueError(f"BroadcastSender runs on the src rank {self.src}, this is rank {self.rank}")
+        self._barrier("prepare")
+        self._broadcast_object("prepare: the sender's hello", {"algo": self.algo})
+        gathered = self._gather("prepare: the engines' metadata", None)
+        assert gathered is not None
+        ranks = _group_ranks(self.group)
+        self.metadata = {ranks[i]: _metadata(m) for i, m in enumerate(gathered) if ranks[i] != self.src}
+        return self.metadata
+
+    def send(self, named_tensors: NamedTensors) -> BroadcastResult:
+        """Broadcast ``named_tensors`` to every engine and check what each one received (see the module docstring)."""
+        if self.metadata is None:
+            raise RefitProtocolError("BroadcastSender.send before prepare(): the engines' metadata is unknown")
+        self._barrier("the stream")
+        try:
+            items = _pairs(named_tensors)
+            sent = {name: _meta(t) for name, t in items}
+            nbytes = sum(_nbytes(m) for m in sent.values())
+            digests = self._stream(items)
+        except RefitTimeout:
+            raise
+        except Exception as e:  # tell the engines, so they raise too instead of waiting out the timeout
+            self._broadcast_object("the abort notice", {"kind": "abort", "error": f"{type(e).__name__}: {e}"})
+            raise
+        self._broadcast_object("the completion header", {"kind": "complete"})
+        gathered = self._gather("the engines' reports", None)
+        assert gathered is not None
+        ranks = _group_ranks(self.group)
+        reports = {ranks[i]: rep for i, rep in enumerate(gathered) if ranks[i] != self.src}
+        return self._finish(reports, sent, digests, nbytes)
+
+    def _stream(self, items: list[tuple[str, torch.Tensor]]) -> Mapping[str, str]:
+        """Digest, fault, pack and broadcast every bucket; the sender's digests (empty when off)."""
+        faults = self._mine
+        acc = DigestAccumulator(algo=self.algo, backend=self.backend) if self.verifying else None
+        swap = _Swapper(faults.at("sender_after_digest", kind="swap_params") + faults.at("wire", kind="swap_params"))
+        outgoing: list[tuple[str, torch.Tensor]] = []
+
+        def emit(passing: list[tuple[str, torch.Tensor]]) -> None:
+            for n, u in passing:
+                altered = (
+                    None if faults.at("wire", n, kind="drop_param") else _strike(faults, "sender_after_digest", n, u)
+                )
+                if altered is not None:
+                    outgoing.append((n, altered))
+
+        for name, t in items:
+            if acc is not None:
+                acc.add(name, t)  # what the sender means to send, before any fault
+            emit(swap(name, t))
+        emit(swap.flush())
+        tensors = dict(outgoing)
+        for index, bucket in enumerate(
+            plan([(n, u.numel() * u.element_size()) for n, u in outgoing], self.buffer_bytes)
+        ):
+            buf = self._staging(bucket.used, bucket.own)
+            for name, offset in zip(bucket.names, bucket.offsets):
+                pack(buf, offset, tensors[name])
+                if faults.at("wire", name):
+                    self._strike_wire(buf, offset, name, tensors[name])
+            if faults.drops_buffer(index):
+                continue  # counted as sent, never broadcast
+            header = {"kind": "bucket", "index": index, "names": list(bucket.names), "used": bucket.used}
+            self._broadcast_object(f"bucket {index}'s header", header)
+            self._broadcast_bytes(f"bucket {index}'s {bucket.used} bytes", buf)
+        return acc.hex() if acc is not None else {}
+
+    def _staging(self, used: int, own: bool) -> torch.Tensor:
+        """The first ``used`` bytes of the reusable staging buffer, or a buffer of its own for a large parameter."""
+        if own:
+            return torch.empty(used, dtype=torch.uint8, device=self.device)
+        if self._buf is None:
+            self._buf = torch.empty(self.buffer_bytes, dtype=torch.uint8, device=self.device)
+        return self._buf[:used]
+
+    def _strike_wire(self, buf: torch.Tensor, offset: int, name: str, t: torch.Tensor) -> None:
+        """flip_bit, cast_dtype and shift_offset on the packed bytes of ``name``."""
+        region = unpack(buf, offset, _meta(t))
+        altered = _strike(self._mine, "wire", name, region)
+        if altered is not None and altered is not region:
+            raw = logical_bytes(altered)
+            buf[offset : offset + raw.numel()].copy_(raw)
+
+    def _drift(self, rank: int, sent: Mapping[str, Meta]) -> list[str]:
+        """Parameters whose byte size differs on ``rank`` (or that it does not know): what it cannot slice right."""
+        theirs = (self.metadata or {}).get(rank, {})
+        out = []
+        for name, meta in sent.items():
+            if name not in theirs:
+                out.append(f"{name} is not in its metadata")
+            elif _nbytes(theirs[name]) != _nbytes(meta):
+                out.append(f"{name} is {_describe(theirs[name])} there, {_describe(meta)} sent")
+        return out
+
+    def _finish(
+        self, reports: Mapping[int, Any], sent: Mapping[str, Meta], digests: Mapping[str, str], nbytes: int
+    ) -> BroadcastResult:
+        """Protocol errors first, then each rank's digests against the sender's, as the mode says."""
+        problems = {}
+        for rank, report in reports.items():
+            lines = (
+                list(report.get("errors", ())) + self._drift(rank, sent) if isinstance(report, dict) else ["no report"]
+            )
+            if lines:
+                problems[rank] = lines
+        if problems:
+            raise RefitProtocolError(
+                "refit broadcast: " + "; ".join(f"rank {rank}: {'; '.join(lines)}" for rank, lines in problems.items())
+            )
+        if self.mode == "off":
+            return BroadcastResult(
+                "off", len(sent), nbytes, {r: RefitResult("off", len(sent), nbytes) for r in reports}
+            )
+        silent = [rank for rank, report in reports.items() if report.get("digests") is None]
+        if silent:
+            raise RefitProtocolError(
+                f"refit broadcast: verification is on but rank(s) {', '.join(map(str, silent))} sent no digests "
+                "(is verify off on that engine?)"
+            )
+        result = BroadcastResult(
+            self.mode,
+            len(sent),
+            nbytes,
+            {
+                rank: replace(_compare(digests, report["digests"], nbytes), mode=self.mode)
+                for rank, report in reports.items()
+            },
+        )
+        if result.bad and self.mode == "enforce":
+            raise BroadcastDigestMismatch(result)
+        for rank, r in result.ranks.items():
+            for name in r.mismatched:
+                log.warning("refit broadcast: rank %d: %s differs between sender and receiver", rank, name)
+            for name in r.missing:
+                log.warning("refit broadcast: rank %d: %s was sent but never received", rank, name)
+            for name in r.unexpected:
+                log.warning("refit broadcast: rank %d: %s was received but never sent", rank, name)
+        return result
+
+
+# --- receiver --------------------------------------------------------------------------------------------------
+
+
+class BroadcastReceiver(_Member):
+    """An engine's end: :meth:`prepare` once, then :meth:`receive` for every refit.
+
+    ``metadata``: this engine's own ``{name: (shape, dtype)}`` (see
+    :func:`metadata_of`); every bucket is sliced with it. ``load_weights`` is
+    called once per bucket with ``[(name, tensor), ...]`` views that are only
+    valid during the call (copy them). ``verify``: whether this engine digests
+    what it loads and sends the digests back.
+    """
+
+    def __init__(
+        self,
+        metadata: Mapping[str, Meta],
+        load_weights: LoadWeights,
+        *,
+        verify: Any = "off",
+        src: int = 0,
+        group: dist.ProcessGroup | None = None,
+        faults: FaultPlan | None = None,
+        device: torch.device | str | None = None,
+        backend: str = "auto",
+        timeout_s: float | timedelta | None = None,
+    ) -> None:
+        super().__init__(
+            verify=verify, src=src, group=group, faults=faults, device=device, backend=backend, timeout_s=timeout_s
+        )
+        self.metadata = _metadata(metadata)
+        self.load_weights = load_weights
+        self.algo: str | None = None
+
+    def _faults_here(self) -> tuple[FaultPlan, set[int]]:
+        """The faults that strike here, all as receiver_before_load, and the buckets dropped on the way here.
+
+        A ``wire`` fault limited to ranks is applied by those ranks to the bytes they received.
+        """
+        rank = self.rank
+        here = [f for f in self.faults.faults if not f.ranks or rank in f.ranks]
+        local = [f for f in here if f.point == "receiver_before_load"]
+        local += [
+            replace(f, point="receiver_before_load")
+            for f in here
+            if f.point == "wire" and f.ranks and f.kind != "drop_buffer"
+        ]
+        dropped = {f.buffer for f in here if f.kind == "drop_buffer" and f.ranks and f.buffer is not None}
+        return FaultPlan(tuple(local)), dropped
+
+    def prepare(self) -> None:
+        """Meet the sender: learn its digest algorithm, give it this engine's metadata."""
+        if self.rank == self.src:
+            raise ValueError(f"BroadcastReceiver runs on an engine rank, this is the src rank {self.src}")
+        self._barrier("prepare")
+        hello = self._broadcast_object("prepare: the sender's hello")
+        self.algo = hello["algo"]
+        self._gather("prepare: the engines' metadata", self.metadata)
+
+    def receive(self) -> Received:
+        """Take one stream in, load it bucket by bucket, report back; raises RefitProtocolError on any error here."""
+        if self.algo is None:
+            raise RefitProtocolError("BroadcastReceiver.receive before prepare(): the sender's algorithm is unknown")
+        self._barrier("the stream")
+        faults, dropped = self._faults_here()
+        swap = _Swapper(faults.at("receiver_before_load", kind="swap_params"))
+        acc = DigestAccumulator(algo=self.algo, backend=self.backend) if self.verifying else None
+        errors: list[str] = []
+        buckets = params = nbytes = 0
+        while True:
+            header = self._broadcast_object("waiting for a bucket header")
+            kind = header.get("kind")
+            if kind == "abort":
+                raise RefitProtocolError(f"refit broadcast: the sender aborted the stream ({header.get('error')})")
+            if kind == "complete":
+                break
+            if kind != "bucket":
+                raise RefitProtocolError(f"refit broadcast: unexpected header from the sender: {header!r:.200}")
+            index, names, used = header["index"], header["names"], header["used"]
+            buf = torch.empty(used, dtype=torch.uint8, device=self.device)
+            self._broadcast_bytes(f"bucket {index}'s {used} bytes", buf)
+            if index in dropped:
+                continue  # lost on the way to this rank
+            try:
+                batch = self._slice(index, names, used, buf, faults, swap, acc)
+                if batch:
+                    self.load_weights(batch)
+            except Exception as e:  # noqa: BLE001 -- kept for the end: raising now would strand the others
+                errors.append(f"bucket {index} ({', '.join(names)}) not loaded: {e}")
+                continue
+            buckets += 1
+            params += len(batch)
+            nbytes += sum(t.numel() * t.element_size() for _, t in batch)
+        try:
+            rest = self._faulted(swap.flush(), faults, acc)
+            if rest:
+                self.load_weights(rest)
+                params += len(rest)
+        except Exception as e:  # noqa: BLE001 -- as above: reported at the end, not raised mid-collective
+            errors.append(f"swapped parameters not loaded: {e}")
+        report: dict[str, Any] = {"errors": errors}
+        digests = acc.hex() if acc is not None else None
+        if digests is not None:
+            report["digests"] = digests
+        self._gather("sending the report", report)
+        if errors:
+            raise RefitProtocolError(f"refit broadcast: rank {self.rank}: " + "; ".join(errors))
+        return Received(self.rank, buckets, params, nbytes, digests)
+
+    def _slice(
+        self,
+        index: int,
+        names: Sequence[str],
+        used: int,
+        buf: torch.Tensor,
+        faults: FaultPlan,
+        swap: _Swapper,
+        acc: DigestAccumulator | None,
+    ) -> list[tuple[str, torch.Tensor]]:
+        """The bucket's views by this engine's metadata, after its faults; raises if the layout does not add up."""
+        try:
+            layout, end = walk(names, self.metadata)
+        except KeyError as e:
+            raise RefitProtocolError(f"{e.args[0]!r} is not in this engine's metadata") from None
+        if end != used:
+            raise RefitProtocolError(
+                f"this engine's metadata puts the bucket's end at {end} bytes, the sender used {used}"
+            )
+        views: list[tuple[str, torch.Tensor]] = []
+        for name, offset, meta in layout:
+            views += swap(name, unpack(buf, offset, meta))
+        return self._faulted(views, faults, acc)
+
+    def _faulted(
+        self, views: list[tuple[str, torch.Tensor]], faults: FaultPlan, acc: DigestAccumulator | None
+    ) -> list[tuple[str, torch.Tensor]]:
+        """Per-parameter faults, then the digest of exactly what is loaded."""
+        out = []
+        for name, t in views:
+            altered = _strike(faults, "receiver_before_load", name, t)
+            if altered is None:
+                continue
+            if acc is not None:
+                acc.add(name, altered)
+            out.append((name, altered))
+        return out

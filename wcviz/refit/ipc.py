@@ -1,0 +1,576 @@
+"""Colocated refit: trainer and engine share a machine, and the weights cross in shared staging buffers.
+
+The path NeMo-RL, veRL and vLLM take when trainer and engine are colocated.
+Bytes move through buffers both processes map (POSIX shared memory on the CPU,
+CUDA IPC on a GPU; see :mod:`wcviz.refit._shm`); a ZMQ socket over ``ipc://``
+carries small control messages, pickled dicts. The sender binds a REQ socket,
+the receiver connects a REP socket: every request gets exactly one reply, and
+every wait is bounded by ``timeout_s`` (a silent peer is :class:`RefitTimeout`).
+
+Wire protocol, sender -> receiver, then the reply::
+
+    {"op": "prepare"}
+        -> {"op": "info", "metadata": {name: (shape, dtype)}}      what the receiver's model expects
+    {"op": "batch", "buffer": BufferHandle, "names": [...], "used": nbytes}
+        -> {"op": "ack", "ok": True}
+        -> {"op": "ack", "ok": False, "error": "..."}              batch refused or failed; nothing more follows
+    {"op": "complete"}
+        -> {"op": "ack", "ok": True}                               receiver not verifying
+        -> {"op": "ack", "ok": True, "digests": {name: hex}}       receiver verifying
+
+``prepare`` is asked once per sender. A batch names the parameters packed into
+a buffer, each at a 512-byte-aligned offset, and the aligned end of the last
+one (``used``); the receiver recomputes the offsets from *its own* metadata and
+refuses a batch whose end does not add up. Batches alternate between two
+staging buffers, so the sender packs batch k+1 while the receiver loads batch k;
+a parameter larger than half a staging buffer travels alone in a temporary one.
+With verification off the messages are exactly the above without ``digests``,
+and neither end digests anything.
+
+The socket lives in a private temporary directory; only processes of the same
+user can reach it, which is what makes unpickling its messages acceptable.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+import zmq
+
+from wcviz.digest import DigestAccumulator, parse_dtype
+from wcviz.digest._api import _pairs
+from wcviz.digest._lanes import logical_bytes
+from wcviz.refit._packing import Bucket, Meta, aligned, pack, plan, unpack, walk
+from wcviz.refit._shm import AttachedBuffer, BufferHandle, OwnedBuffer
+from wcviz.refit._transport import Transport
+from wcviz.refit.faults import FaultPlan
+from wcviz.refit.verify import RefitProtocolError, RefitResult, RefitTimeout, check
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
+__all__ = ["DEFAULT_BUFFER_BYTES", "DEFAULT_TIMEOUT_S", "IPCReceiver", "IPCSender"]
+
+DEFAULT_BUFFER_BYTES = 256 << 20
+DEFAULT_TIMEOUT_S = 60.0
+SENDER, WIRE, RECEIVER = "sender_after_digest", "wire", "receiver_before_load"
+_REPLY_LINGER_MS = 500  # the receiver's last reply must leave even if it closes at once; bounded, never a hang
+
+WireLog = list[tuple[str, dict[str, Any]]]  # ("send" | "recv", message): every control message of one end, in order
+LoadWeights = Callable[[list[tuple[str, torch.Tensor]]], None]
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _meta_nbytes(meta: Meta) -> int:
+    shape, dtype = meta
+    return math.prod(shape) * parse_dtype(dtype).itemsize
+
+
+def _describe(name: str, meta: Meta) -> str:
+    return f"{name} ({meta[1]} {list(meta[0])}, {_meta_nbytes(meta)} bytes)"
+
+
+def _sync(buf: torch.Tensor) -> None:
+    """Wait for the queued copies into (or reads of) ``buf``: the peer works on another CUDA stream."""
+    if buf.is_cuda:
+        torch.cuda.current_stream(buf.device).synchronize()
+
+
+class _Socket:
+    """A ZMQ socket whose every wait is bounded: a dead or hung peer is RefitTimeout, never a hang."""
+
+    def __init__(
+        self, kind: int, address: str, *, bind: bool, timeout_s: float, linger_ms: int, wire_log: WireLog | None
+    ):
+        self.address = address
+        self.timeout_s = timeout_s
+        self.awaiting = False  # a request went out and its reply has not come back
+        self._peer = "receiver" if kind == zmq.REQ else "sender"
+        self._linger_ms = linger_ms
+        self._wire_log = wire_log
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(kind)
+        self._sock.setsockopt(zmq.LINGER, linger_ms)
+        try:
+            if bind:
+                self._sock.bind(address)
+            else:
+                self._sock.connect(address)
+        except BaseException:
+            self.close()
+            raise
+
+    def send(self, msg: dict[str, Any], what: str) -> None:
+        if not self._sock.poll(int(self.timeout_s * 1000), zmq.POLLOUT):
+            raise RefitTimeout(
+                f"timed out after {self.timeout_s:g}s sending {what}: no {self._peer} connected at {self.address}"
+            )
+        self._sock.send_pyobj(msg, zmq.NOBLOCK)
+        self.awaiting = self._peer == "receiver"
+        if self._wire_log is not None:
+            self._wire_log.append(("send", msg))
+
+    def recv(self, what: str) -> dict[str, Any]:
+        if not self._sock.poll(int(self.timeout_s * 1000), zmq.POLLIN):
+            raise RefitTimeout(
+                f"timed out after {self.timeout_s:g}s waiting for {what} from the {self._peer} at {self.address} "
+                f"(is it alive?)"
+            )
+        msg = self._sock.recv_pyobj(zmq.NOBLOCK)
+        self.awaiting = False
+        if self._wire_log is not None:
+            self._wire_log.append(("recv", msg))
+        if not isinstance(msg, dict):
+            raise RefitProtocolError(
+                f"the {self._peer} at {self.address} sent {type(msg).__name__}, not a message dict"
+            )
+        return msg
+
+    def close(self) -> None:
+        """Close the socket and its context; waits at most the linger for a last reply to leave."""
+        self._sock.close(self._linger_ms)
+        self._ctx.term()
+
+
+def _refused(what: str, address: str, reply: dict[str, Any]) -> RefitProtocolError | None:
+    if reply.get("op") == "ack" and reply.get("ok") is True:
+        return None
+    error = reply.get("error") or f"unexpected reply {reply!r:.200}"
+    return RefitProtocolError(f"the receiver at {address} refused {what}: {error}")
+
+
+class IPCSender(Transport):
+    """The trainer's end: packs named tensors into shared staging buffers and streams them to an :class:`IPCReceiver`.
+
+    ``address`` is an ``ipc://`` endpoint to bind; by default one in a private
+    temporary directory (``.address`` says which, for the receiver). Use as a
+    context manager, or call :meth:`close`.
+    """
+
+    def __init__(
+        self,
+        address: str | None = None,
+        *,
+        verify: Any = "off",
+        faults: FaultPlan | None = None,
+        buffer_bytes: int = DEFAULT_BUFFER_BYTES,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        device: torch.device | str | None = None,
+        wire_log: WireLog | None = None,
+    ) -> None:
+        super().__init__(verify)
+        self.faults = faults or FaultPlan()
+        self.buffer_bytes = buffer_bytes
+        self.timeout_s = timeout_s
+        self.device = torch.device(device) if device is not None else None
+        self.wire_log = wire_log
+        self._tmpdir = tempfile.mkdtemp(prefix="wcviz_refit_") if address is None else None
+        self.address = address or f"ipc://{self._tmpdir}/refit.sock"
+        self.metadata: dict[str, Meta] | None = None  # the receiver's, once prepared
+        self._sock: _Socket | None = None
+        self._closed = False
+        try:
+            self._open_socket()  # bind now, so the receiver can connect as soon as it knows the address
+        except BaseException:
+            self.close()
+            raise
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _open_socket(self) -> _Socket:
+        if self._closed:
+            raise RefitProtocolError(f"sender at {self.address} is closed")
+        if self._sock is None:
+            self._sock = _Socket(
+                zmq.REQ, self.address, bind=True, timeout_s=self.timeout_s, linger_ms=0, wire_log=self.wire_log
+            )
+        return self._sock
+
+    def _close_socket(self) -> None:
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            sock.close()
+            if self.address.startswith("ipc://"):  # libzmq leaves the socket file behind
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.address.removeprefix("ipc://"))
+
+    def close(self) -> None:
+        """Close the socket and remove its file (and the temporary directory). Idempotent."""
+        self._closed = True
+        try:
+            self._close_socket()
+        finally:
+            if self._tmpdir is not None:
+                shutil.rmtree(self._tmpdir, ignore_errors=True)
+                self._tmpdir = None
+
+    def prepare(self) -> dict[str, Meta]:
+        """Ask the receiver what its model expects, ``{name: (shape, dtype)}``, and keep it for the streams."""
+        sock = self._open_socket()
+        try:
+            sock.send({"op": "prepare"}, "the prepare request")
+            reply = sock.recv("the reply to prepare")
+        except BaseException:
+            self._close_socket()
+            raise
+        if reply.get("op") != "info" or not isinstance(reply.get("metadata"), dict):
+            raise RefitProtocolError(f"the receiver at {self.address} answered prepare with {reply!r:.200}")
+        self.metadata = {n: (tuple(s), str(d)) for n, (s, d) in reply["metadata"].items()}
+        return self.metadata
+
+    def send(self, named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> RefitResult:
+        """Stream ``named_tensors`` to the receiver; with verification on, compare both ends' digests.
+
+        ``log`` warns naming each parameter that did not arrive intact and returns
+        the result; ``enforce`` raises :class:`RefitDigestMismatch`. A receiver that
+        refuses a batch is :class:`RefitProtocolError`, a silent one :class:`RefitTimeout`.
+        """
+        tensors = _pairs(named_tensors)
+        try:
+            metadata = self.metadata if self.metadata is not None else self.prepare()
+            self._check_framing(tensors, metadata)
+            acc = DigestAccumulator() if self.verifying else None
+            reply = self._stream(self._outgoing(tensors, acc))
+        except BaseException:
+            # prepare again next time: the receiver may have changed, and a prepare restarts its stream
+            self.metadata = None
+            if self._sock is not None and self._sock.awaiting:  # a REQ socket cannot send again before its reply
+                self._close_socket()
+            raise
+        nbytes = sum(_nbytes(t) for _, t in tensors)
+        if acc is None:
+            return RefitResult(self.mode, params=len(tensors), nbytes=nbytes)
+        return check(self.mode, acc.hex(), reply.get("digests"), nbytes=nbytes)
+
+    def _check_framing(self, tensors: list[tuple[str, torch.Tensor]], metadata: Mapping[str, Meta]) -> None:
+        """Refuse, before anything is sent, names the receiver lacks and byte sizes it does not expect.
+
+        The framing must agree for the receiver to slice the buffers; a shape or
+        dtype that drifted at the same byte size is the digest's to catch.
+        """
+        unknown = [n for n, _ in tensors if n not in metadata]
+        resized = [
+            f"{n} ({t.dtype} {list(t.shape)}, {_nbytes(t)} bytes here; the receiver expects {_describe(n, metadata[n])})"
+            for n, t in tensors
+            if n in metadata and _nbytes(t) != _meta_nbytes(metadata[n])
+        ]
+        problems = []
+        if unknown:
+            problems.append(f"the receiver has no parameter {', '.join(unknown)}")
+        if resized:
+            problems.append(f"byte sizes differ for {'; '.join(resized)}")
+        if problems:
+            raise RefitProtocolError(f"refit to {self.address} not started: {'; '.join(problems)}")
+
+    def _outgoing(
+        self, tensors: list[tuple[str, torch.Tensor]], acc: DigestAccumulator | None
+    ) -> list[tuple[str, torch.Tensor]]:
+        """What goes on the wire: each tensor digested as given, then as the sender-side faults leave it."""
+        out = []
+        for name, t in tensors:
+            if acc is not None:
+                acc.add(name, t)  # queued on t's device; no host sync until acc.hex()
+            sent: torch.Tensor | None = self.faults.alter(SENDER, name, t)
+            for f in self.faults.at(WIRE, name):
+                if sent is not None and f.kind in ("drop_param", "cast_dtype"):  # a wire flip_bit strikes the buffer
+                    sent = FaultPlan((f,)).alter(WIRE, name, sent)
+            if sent is not None:
+                out.append((name, sent))
+        for f in self.faults.faults:
+            if f.kind == "swap_params" and f.point in (SENDER, WIRE):
+                _swap(out, *f.params)
+        return out
+
+    def _stream(self, wire: list[tuple[str, torch.Tensor]]) -> dict[str, Any]:
+        """Send every bucket, ping-ponging between two staging buffers, then COMPLETE; the final ack."""
+        sock = self._open_socket()
+        tensors = dict(wire)
+        buckets = plan([(n, _nbytes(t)) for n, t in wire], self.buffer_bytes)
+        device = self.device or (wire[0][1].device if wire else torch.device("cpu"))
+        staging_size = max((b.used for b in buckets if not b.own), default=0)
+        staging: list[OwnedBuffer] = []
+        pending: tuple[int, OwnedBuffer | None] | None = None  # the batch whose ack is due, and its temporary buffer
+
+        def settle() -> None:
+            nonlocal pending
+            if pending is not None:
+                k, temp = pending
+                pending = None
+                reply = sock.recv(f"the ack of batch {k}")
+                if temp is not None:
+                    temp.close()
+                if (error := _refused(f"batch {k} ({', '.join(buckets[k].names)})", self.address, reply)) is not None:
+                    raise error
+
+        with contextlib.ExitStack() as cleanup:
+            for k, bucket in enumerate(buckets):
+                temp = None
+                if bucket.own:
+                    settle()  # at most one temporary buffer alive at a time
+                    temp = buf = OwnedBuffer(bucket.used, device, transient=True)
+                    cleanup.callback(temp.close)
+                else:  # ping-pong: the buffer whose batch was acknowledged before the last one went out
+                    if len(staging) < 2:
+                        buf = OwnedBuffer(staging_size, device)
+                        cleanup.callback(buf.close)
+                    else:
+                        buf = staging.pop(0)
+                    staging.append(buf)
+                assert buf.tensor is not None
+                self._pack(buf.tensor, bucket, tensors)
+                _sync(buf.tensor)
+                settle()  # batch k-1 was loading while we packed batch k
+                if self.faults.drops_buffer(k):  # lost on the wire: its names count as sent, never arrive
+                    if temp is not None:
+                        temp.close()
+                    continue
+                sock.send(
+                    {"op": "batch", "buffer": buf.handle, "names": list(bucket.names), "used": bucket.used},
+                    f"batch {k}",
+                )
+                pending = (k, temp)
+            settle()
+            sock.send({"op": "complete"}, "COMPLETE")
+            reply = sock.recv("the final ack")
+        if (error := _refused("the end of the stream", self.address, reply)) is not None:
+            raise error
+        return reply
+
+    def _pack(self, buf: torch.Tensor, bucket: Bucket, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Copy the bucket's tensors to their offsets; shift_offset and wire flip_bit strike here."""
+        for name, offset in zip(bucket.names, bucket.offsets):
+            t = tensors[name]
+            shift = sum(f.shift for p in (SENDER, WIRE) for f in self.faults.at(p, name, kind="shift_offset"))
+            if shift:
+                _pack_shifted(buf, offset, t, shift)
+            else:
+                pack(buf, offset, t)
+            for f in self.faults.at(WIRE, name, kind="flip_bit"):
+                n = _nbytes(t)
+                if n == 0:
+                    raise ValueError(f"fault flip_bit on {name!r}: the parameter has no bytes to flip")
+                i = offset + (f.bit // 8) % n
+                buf[i : i + 1].bitwise_xor_(1 << (f.bit % 8))
+
+
+def _pack_shifted(buf: torch.Tensor, offset: int, t: torch.Tensor, shift: int) -> None:
+    """Pack ``t`` ``shift`` bytes late, clipped to the end of its aligned slot (the fault shift_offset)."""
+    raw = logical_bytes(t)
+    start = offset + shift
+    n = max(0, min(raw.numel(), aligned(offset + raw.numel()) - start))
+    buf[start : start + n].copy_(raw[:n], non_blocking=True)
+
+
+def _swap(named: list[tuple[str, torch.Tensor]], a: str, b: str) -> None:
+    """Trade the tensors of ``a`` and ``b`` in place (the fault swap_params); a no-op if either is absent."""
+    where = {n: i for i, (n, _) in enumerate(named)}
+    if a not in where or b not in where:
+        return
+    i, j = where[a], where[b]
+    ta, tb = named[i][1], named[j][1]
+    if _nbytes(ta) != _nbytes(tb):
+        raise ValueError(f"fault swap_params: {a} ({_nbytes(ta)} bytes) and {b} ({_nbytes(tb)} bytes) differ in size")
+    named[i], named[j] = (a, tb), (b, ta)
+
+
+def _as(src: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``src``'s bytes read as ``like``'s dtype and shape."""
+    return logical_bytes(src).view(like.dtype).reshape(like.shape)
+
+
+def _shifted(t: torch.Tensor, shift: int) -> torch.Tensor:
+    """A copy of ``t`` whose bytes arrive ``shift`` late: zeros first, the tail lost (the fault shift_offset)."""
+    raw = logical_bytes(t)
+    out = torch.zeros_like(raw)
+    if shift < raw.numel():
+        out[shift:] = raw[: raw.numel() - shift]
+    return _as(out, t)
+
+
+@dataclass
+class _Stream:
+    """The receiver's state for one stream."""
+
+    acc: DigestAccumulator | None
+    held: dict[str, torch.Tensor] = field(default_factory=dict)  # swap_params: the first of a pair, until its partner
+
+
+class IPCReceiver(Transport):
+    """The engine's end: answers :class:`IPCSender`, slices each batch with its own metadata, hands it to ``load_weights``.
+
+    ``metadata`` is ``{name: (shape, dtype)}`` for what its model expects;
+    ``load_weights`` gets a list of ``(name, tensor)`` views into the shared
+    buffer, valid only during the call (copy them). With verification on, the
+    receiver digests every view it loads and returns the digests in the final ack.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        metadata: Mapping[str, tuple[Iterable[int], Any]],
+        load_weights: LoadWeights,
+        *,
+        verify: Any = "off",
+        faults: FaultPlan | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        wire_log: WireLog | None = None,
+    ) -> None:
+        super().__init__(verify)
+        self.address = address
+        self.metadata: dict[str, Meta] = {
+            n: (tuple(int(d) for d in shape), str(parse_dtype(dtype)).removeprefix("torch."))
+            for n, (shape, dtype) in metadata.items()
+        }
+        self.load_weights = load_weights
+        self.faults = faults or FaultPlan()
+        self.timeout_s = timeout_s
+        self._partners: dict[str, str] = {}
+        for f in self.faults.at(RECEIVER, kind="swap_params"):
+            a, b = f.params
+            self._partners.update({a: b, b: a})
+        self._buffers: dict[str, AttachedBuffer] = {}
+        self._sock: _Socket | None = _Socket(
+            zmq.REP, address, bind=False, timeout_s=timeout_s, linger_ms=_REPLY_LINGER_MS, wire_log=wire_log
+        )
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Let go of every attached buffer and close the socket. Idempotent."""
+        self._release()
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            sock.close()
+
+    def serve(self) -> dict[str, str] | None:
+        """Answer requests until one stream completes; the digests sent back (None when not verifying).
+
+        Waits at most ``timeout_s`` for each request. A batch it refuses or
+        cannot load is answered with an error, then raised here: the stream is
+        over and the model may hold part of it. Call again for the next refit.
+        """
+        if self._sock is None:
+            raise RefitProtocolError(f"receiver at {self.address} is closed")
+        sock = self._sock
+        stream = _Stream(DigestAccumulator() if self.verifying else None)
+        try:
+            while True:
+                msg = sock.recv("the next request")
+                op = msg.get("op")
+                if op == "prepare":  # also where a sender starts over after a failed stream
+                    self._release()
+                    stream = _Stream(DigestAccumulator() if self.verifying else None)
+                    sock.send({"op": "info", "metadata": self.metadata}, "the reply to prepare")
+                elif op in ("batch", "complete"):
+                    try:
+                        reply = self._batch(msg, stream) if op == "batch" else self._complete(stream)
+                    except Exception as e:  # the sender learns at once; then it is raised here
+                        sock.send({"op": "ack", "ok": False, "error": str(e) or repr(e)}, "an error reply")
+                        raise
+                    sock.send(reply, "the ack" if op == "batch" else "the final ack")
+                    if op == "complete":
+                        return reply.get("digests")
+                else:
+                    error = RefitProtocolError(f"unknown request {op!r} from the sender at {self.address}")
+                    sock.send({"op": "ack", "ok": False, "error": str(error)}, "an error reply")
+                    raise error
+        finally:
+            self._release()
+
+    def _batch(self, msg: dict[str, Any], stream: _Stream) -> dict[str, Any]:
+        """Check the batch against this receiver's metadata, slice it, apply faults, digest, load; the ack."""
+        names, used, handle = list(msg["names"]), int(msg["used"]), msg["buffer"]
+        unknown = [n for n in names if n not in self.metadata]
+        if unknown:
+            raise RefitProtocolError(f"batch names parameters this receiver does not have: {', '.join(unknown)}")
+        entries, end = walk(names, self.metadata)
+        if end != used:
+            raise RefitProtocolError(
+                f"batch does not add up: by this receiver's metadata its parameters end at byte {end}, the sender "
+                f"says {used}; the batch holds {', '.join(_describe(n, m) for n, _, m in entries)}"
+            )
+        if used > handle.nbytes:
+            raise RefitProtocolError(f"batch claims {used} bytes of a {handle.nbytes}-byte buffer")
+        buf = self._attach(handle)
+        try:
+            assert buf.tensor is not None
+            views = self._faulted([(n, unpack(buf.tensor, off, m)) for n, off, m in entries], stream)
+            if stream.acc is not None:
+                for name, t in views:
+                    stream.acc.add(name, t)
+            if views:
+                self.load_weights(views)
+            _sync(buf.tensor)  # the sender may overwrite the buffer once we ack
+        finally:
+            if handle.transient:
+                buf.close()
+        return {"op": "ack", "ok": True}
+
+    def _faulted(self, views: list[tuple[str, torch.Tensor]], stream: _Stream) -> list[tuple[str, torch.Tensor]]:
+        """The views as the receiver_before_load faults leave them (swap_params may hold one back a batch or more)."""
+        out = []
+        for name, t in views:
+            altered = self.faults.alter(RECEIVER, name, t)
+            if altered is None:
+                continue
+            shift = sum(f.shift for f in self.faults.at(RECEIVER, name, kind="shift_offset"))
+            if shift:
+                altered = _shifted(altered, shift)
+            partner = self._partners.get(name)
+            if partner is None:
+                out.append((name, altered))
+            elif partner not in stream.held:
+                stream.held[name] = altered.clone()  # the buffer will be reused; wait for the partner
+            else:
+                theirs = stream.held.pop(partner)
+                out += [(partner, _as(altered, theirs)), (name, _as(theirs, altered))]
+        return out
+
+    def _complete(self, stream: _Stream) -> dict[str, Any]:
+        """Load anything still held back; the final ack, with the digests when verifying (one host sync per device)."""
+        if stream.held:
+            held = list(stream.held.items())
+            if stream.acc is not None:
+                for name, t in held:
+                    stream.acc.add(name, t)
+            self.load_weights(held)
+        if stream.acc is None:
+            return {"op": "ack", "ok": True}
+        return {"op": "ack", "ok": True, "digests": dict(stream.acc.hex())}
+
+    def _attach(self, handle: BufferHandle) -> AttachedBuffer:
+        """The buffer behind ``handle``: staging buffers are attached once per stream, temporary ones per batch."""
+        if handle.key in self._buffers:
+            return self._buffers[handle.key]
+        try:
+            buf = AttachedBuffer(handle)
+        except FileNotFoundError:
+            raise RefitProtocolError(
+                f"the batch's buffer {handle.key} no longer exists: the sender freed it (did it fail?)"
+            ) from None
+        if not handle.transient:
+            self._buffers[handle.key] = buf
+        return buf
+
+    def _release(self) -> None:
+        while self._buffers:
+            self._buffers.popitem()[1].close()
