@@ -570,13 +570,13 @@ def test_a_peer_dying_mid_stream_is_a_timeout_not_a_hang(world):
 def test_construction_checks():
     from wcviz.refit.broadcast import BroadcastReceiver, BroadcastSender
 
-    with pytest.raises(ValueError, match="unknown verify mode"):
+    with pytest.raises(ValueError, match="invalid value for verify.mode"):
         BroadcastSender(verify="Enforce")
     with pytest.raises(ValueError, match="alignment"):
         BroadcastSender(buffer_bytes=100)
     with pytest.raises(ValueError, match="cannot be limited to ranks"):
         BroadcastSender(faults=FaultPlan((Fault("flip_bit", "sender_after_digest", (Q,), ranks=(1,)),)))
-    with pytest.raises(ValueError, match="unknown verify mode"):
+    with pytest.raises(ValueError, match="invalid value for verify.mode"):
         BroadcastReceiver({}, lambda batch: None, verify="on")
     assert BroadcastSender.supports_verify and BroadcastReceiver.supports_verify
     assert Fault("flip_bit", "wire", (Q,), ranks=[2]).ranks == (2,)  # type: ignore[arg-type]

@@ -663,5 +663,5 @@ def test_transport_without_verification_refuses_a_verify_mode(tmp_path: Path, ve
     ):
         assert s.mode == r.mode == "off"
     assert IPCSender.supports_verify and IPCReceiver.supports_verify and issubclass(IPCSender, Transport)
-    with pytest.raises(ValueError, match="unknown verify mode 'loud'"):
+    with pytest.raises(ValueError, match="invalid value for verify.mode: 'loud'"):
         IPCSender(verify="loud")

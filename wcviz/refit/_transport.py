@@ -9,17 +9,10 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from wcviz.refit.verify import MODES, RefitError
+from wcviz.refit.config import verify_mode
+from wcviz.refit.verify import RefitError
 
-__all__ = ["Transport", "verify_mode"]
-
-
-def verify_mode(verify: Any) -> str:
-    """The mode named by ``verify``: a string, or a config object with a ``.mode`` (e.g. ``VerifyConfig``)."""
-    mode = getattr(verify, "mode", verify)
-    if mode not in MODES:
-        raise ValueError(f"unknown verify mode {mode!r}; choose one of {', '.join(MODES)}")
-    return str(mode)
+__all__ = ["Transport"]
 
 
 class Transport:
@@ -28,6 +21,7 @@ class Transport:
     supports_verify: ClassVar[bool] = True
 
     def __init__(self, verify: Any = "off") -> None:
+        """``verify``: a mode string, a ``VerifyConfig`` or ``RefitConfig``, or None (off)."""
         self.mode = verify_mode(verify)
         if self.mode != "off" and not self.supports_verify:
             raise RefitError(

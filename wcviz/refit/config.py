@@ -180,14 +180,17 @@ def parse_refit_config(data: Mapping[str, Any] | RefitConfig | None) -> RefitCon
         raise RefitConfigError(_message(e)) from None
 
 
-def verify_mode(x: str | VerifyConfig | RefitConfig | None) -> str:
-    """The verify mode as a plain string, from a mode string, either config, or None (``"off"``)."""
+def verify_mode(x: str | VerifyConfig | RefitConfig | Any | None) -> str:
+    """The verify mode as a plain string, from a mode string, either config, any object with a
+    ``.mode``, or None (``"off"``)."""
     if x is None:
         return "off"
     if isinstance(x, RefitConfig):
         return x.verify.mode
     if isinstance(x, VerifyConfig):
         return x.mode
+    if not isinstance(x, str) and hasattr(x, "mode"):  # a framework's own config object
+        x = x.mode
     try:
         return _check_mode(x)
     except ValueError as e:
