@@ -245,7 +245,7 @@ class IPCSender(Transport):
             metadata = self.metadata if self.metadata is not None else self.prepare()
             self._check_framing(tensors, metadata)
             acc = DigestAccumulator() if self.verifying else None
-            reply = self._stream(self._outgoing(tensors, acc))
+            reply = self._stream(self._outgoing(tensors), dict(tensors), acc)
         except BaseException:
             # prepare again next time: the receiver may have changed, and a prepare restarts its stream
             self.metadata = None
@@ -277,14 +277,10 @@ class IPCSender(Transport):
         if problems:
             raise RefitProtocolError(f"refit to {self.address} not started: {'; '.join(problems)}")
 
-    def _outgoing(
-        self, tensors: list[tuple[str, torch.Tensor]], acc: DigestAccumulator | None
-    ) -> list[tuple[str, torch.Tensor]]:
-        """What goes on the wire: each tensor digested as given, then as the sender-side faults leave it."""
+    def _outgoing(self, tensors: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+        """What goes on the wire: each tensor as the sender-side faults leave it."""
         out = []
         for name, t in tensors:
-            if acc is not None:
-                acc.add(name, t)  # queued on t's device; no host sync until acc.hex()
             sent: torch.Tensor | None = self.faults.alter(SENDER, name, t)
             for f in self.faults.at(WIRE, name):
                 if sent is not None and f.kind in ("drop_param", "cast_dtype"):  # a wire flip_bit strikes the buffer
@@ -296,9 +292,26 @@ class IPCSender(Transport):
                 _swap(out, *f.params)
         return out
 
-    def _stream(self, wire: list[tuple[str, torch.Tensor]]) -> dict[str, Any]:
-        """Send every bucket, ping-ponging between two staging buffers, then COMPLETE; the final ack."""
+    def _stream(
+        self,
+        wire: list[tuple[str, torch.Tensor]],
+        originals: Mapping[str, torch.Tensor],
+        acc: DigestAccumulator | None,
+    ) -> dict[str, Any]:
+        """Send every bucket, ping-ponging between two staging buffers, then COMPLETE; the final ack.
+
+        With ``acc``, the sender digests each parameter as given (``originals``,
+        before any fault) right after packing its bucket, so its digesting
+        overlaps the receiver's loading of the previous bucket.
+        """
         sock = self._open_socket()
+
+        def digest(names: Iterable[str]) -> None:
+            if acc is not None:
+                for n in names:
+                    if n not in acc:
+                        acc.add(n, originals[n])  # queued on the tensor's device; no host sync until acc.hex()
+
         tensors = dict(wire)
         buckets = plan([(n, _nbytes(t)) for n, t in wire], self.buffer_bytes)
         device = self.device or (wire[0][1].device if wire else torch.device("cpu"))
@@ -334,7 +347,8 @@ class IPCSender(Transport):
                 assert buf.tensor is not None
                 self._pack(buf.tensor, bucket, tensors)
                 _sync(buf.tensor)
-                settle()  # batch k-1 was loading while we packed batch k
+                digest(bucket.names)
+                settle()  # batch k-1 was loading while we packed and digested batch k
                 if self.faults.drops_buffer(k):  # lost on the wire: its names count as sent, never arrive
                     if temp is not None:
                         temp.close()
@@ -345,6 +359,7 @@ class IPCSender(Transport):
                 )
                 pending = (k, temp)
             settle()
+            digest(originals)  # what never went on the wire (dropped) is still part of what was sent
             sock.send({"op": "complete"}, "COMPLETE")
             reply = sock.recv("the final ack")
         if (error := _refused("the end of the stream", self.address, reply)) is not None:

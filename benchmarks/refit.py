@@ -1,0 +1,102 @@
+"""Refit over the colocated CPU transport with verification off, log and enforce, side by side.
+
+    python benchmarks/refit.py [--layers 9] [--hidden 2048] [--repeat 3] [--buffer-mib 256]
+
+A Llama-shaped bf16 model of about 1 GiB (embedding, per-layer attention and
+MLP matrices, norms, head) is sent from this process to a receiver process
+(spawned) that copies every tensor into its own model. Each mode runs
+``--repeat`` refits against a receiver in the same mode; the best wall time of
+``IPCSender.send`` is reported (it returns only after the receiver acknowledged
+the last batch and, when verifying, sent its digests). Ratios are against off.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import time
+
+import torch
+
+from wcviz.refit import IPCReceiver, IPCSender
+
+
+def model(layers: int, hidden: int, vocab: int = 32000) -> dict[str, torch.Tensor]:
+    """Llama-like shapes: GQA with 4x fewer KV heads, MLP width 2.75x, bf16."""
+    g = torch.Generator().manual_seed(0)
+    inter, kv = int(hidden * 2.75), hidden // 4
+
+    def w(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g).to(torch.bfloat16)
+
+    sd = {"model.embed_tokens.weight": w(vocab, hidden)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        sd |= {
+            p + "input_layernorm.weight": w(hidden),
+            p + "self_attn.q_proj.weight": w(hidden, hidden),
+            p + "self_attn.k_proj.weight": w(kv, hidden),
+            p + "self_attn.v_proj.weight": w(kv, hidden),
+            p + "self_attn.o_proj.weight": w(hidden, hidden),
+            p + "post_attention_layernorm.weight": w(hidden),
+            p + "mlp.gate_proj.weight": w(inter, hidden),
+            p + "mlp.up_proj.weight": w(inter, hidden),
+            p + "mlp.down_proj.weight": w(hidden, inter),
+        }
+    sd |= {"model.norm.weight": w(hidden), "lm_head.weight": w(vocab, hidden)}
+    return sd
+
+
+def receiver(address: str, layers: int, hidden: int, mode: str, streams: int) -> None:
+    torch.set_num_threads(1)
+    mine = {n: torch.zeros_like(t) for n, t in model(layers, hidden).items()}
+    metadata = {n: (tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in mine.items()}
+
+    def load(batch: list[tuple[str, torch.Tensor]]) -> None:
+        for name, t in batch:
+            mine[name].copy_(t)
+
+    with IPCReceiver(address, metadata, load, verify=mode, timeout_s=300) as r:
+        for _ in range(streams):
+            r.serve()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=9)
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--buffer-mib", type=int, default=256)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    sd = model(args.layers, args.hidden)
+    nbytes = sum(t.numel() * t.element_size() for t in sd.values())
+    print(f"model: {len(sd)} tensors, {nbytes / 2**30:.2f} GiB bf16; staging buffer {args.buffer_mib} MiB x 2; "
+          f"best of {args.repeat}")
+    ctx = mp.get_context("spawn")
+    best: dict[str, float] = {}
+    for mode in ("off", "log", "enforce"):
+        with IPCSender(verify=mode, buffer_bytes=args.buffer_mib << 20, timeout_s=300) as s:
+            proc = ctx.Process(target=receiver, args=(s.address, args.layers, args.hidden, mode, args.repeat + 1))
+            proc.start()
+            try:
+                s.send(sd)  # warm-up: the receiver's first touch of its buffers, numba's kernel cache
+                times = []
+                for _ in range(args.repeat):
+                    t0 = time.perf_counter()
+                    result = s.send(sd)
+                    times.append(time.perf_counter() - t0)
+                assert mode == "off" or result.ok, result.describe()
+            finally:
+                proc.join(60)
+                if proc.is_alive():
+                    proc.kill()
+        best[mode] = min(times)
+    print("| mode | seconds | GB/s | × off |")
+    print("|---|---:|---:|---:|")
+    for mode, sec in best.items():
+        print(f"| {mode} | {sec:.3f} | {nbytes / sec / 1e9:.2f} | {sec / best['off']:.2f}× |")
+
+
+if __name__ == "__main__":
+    main()
