@@ -584,11 +584,12 @@ def test_construction_checks():
 
 
 def test_shift_and_swap_helpers():
-    from wcviz.refit.broadcast import _shifted, _Swapper
+    from wcviz.refit.broadcast import _Swapper
+    from wcviz.refit.faults import shifted
 
     t = torch.arange(1, 5, dtype=torch.int32)
-    assert _shifted(t, 4).tolist() == [0, 1, 2, 3]
-    assert _shifted(t, 100).tolist() == [0, 0, 0, 0]
+    assert shifted(t, 4).tolist() == [0, 1, 2, 3]
+    assert shifted(t, 100).tolist() == [0, 0, 0, 0]
     swap = _Swapper([Fault("swap_params", "wire", ("a", "b"))])
     a, b = torch.ones(2, dtype=torch.float32), torch.tensor([5, 6], dtype=torch.int32)
     assert swap("x", t) == [("x", t)]

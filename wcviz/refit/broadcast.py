@@ -83,7 +83,7 @@ from wcviz.digest import DEFAULT_ALGO, DigestAccumulator, parse_dtype
 from wcviz.digest._lanes import logical_bytes
 from wcviz.refit._packing import ALIGN, Meta, pack, plan, unpack, walk
 from wcviz.refit._transport import Transport
-from wcviz.refit.faults import Fault, FaultPlan
+from wcviz.refit.faults import Fault, FaultPlan, as_like, shifted
 from wcviz.refit.verify import (
     RefitDigestMismatch,
     RefitError,
@@ -158,30 +158,13 @@ def _pairs(named_tensors: NamedTensors) -> list[tuple[str, torch.Tensor]]:
     return items
 
 
-def _as_meta(t: torch.Tensor, meta: Meta, what: str) -> torch.Tensor:
-    """``t``'s bytes read as ``meta`` (same byte size): how swapped parameters arrive."""
-    raw = logical_bytes(t)
-    if raw.numel() != _nbytes(meta):
-        raise ValueError(f"fault swap_params on {what}: {raw.numel()} and {_nbytes(meta)} bytes differ")
-    return unpack(raw, 0, meta)
-
-
-def _shifted(t: torch.Tensor, shift: int) -> torch.Tensor:
-    """``t`` as it reads when its bytes arrive ``shift`` bytes late (zeros first, its tail lost)."""
-    raw = logical_bytes(t)
-    out = torch.zeros_like(raw)
-    if shift < raw.numel():
-        out[shift:] = raw[: raw.numel() - shift]
-    return unpack(out, 0, _meta(t))
-
-
 def _strike(faults: FaultPlan, point: str, name: str, t: torch.Tensor) -> torch.Tensor | None:
     """``t`` after the per-parameter faults at ``point``: flip_bit, cast_dtype, drop_param, then shift_offset."""
     out = faults.alter(point, name, t)
     if out is None:
         return None
     shift = sum(f.shift for f in faults.at(point, name, kind="shift_offset"))
-    return _shifted(out, shift) if shift else out
+    return shifted(out, shift) if shift else out
 
 
 class _Swapper:
@@ -203,7 +186,7 @@ class _Swapper:
             return []
         theirs = self.held.pop(other)
         what = f"{other!r} and {name!r}"
-        return [(other, _as_meta(t, _meta(theirs), what)), (name, _as_meta(theirs, _meta(t), what))]
+        return [(other, as_like(t, theirs, what)), (name, as_like(theirs, t, what))]
 
     def flush(self) -> list[tuple[str, torch.Tensor]]:
         """The parameters whose partner never came, unswapped."""

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["POINTS", "KINDS", "Fault", "FaultPlan"]
+__all__ = ["POINTS", "KINDS", "Fault", "FaultPlan", "as_like", "shifted"]
 
 POINTS = ("sender_after_digest", "wire", "receiver_before_load")
 KINDS = ("flip_bit", "drop_param", "drop_buffer", "shift_offset", "cast_dtype", "swap_params")
@@ -113,3 +113,29 @@ class FaultPlan:
                     raise ValueError(f"fault cast_dtype on {name!r}: {out.dtype} -> {target} changes the byte size")
                 out = out.detach().to(target)
         return out
+
+
+def as_like(src: torch.Tensor, like: torch.Tensor, what: str = "") -> torch.Tensor:
+    """``src``'s bytes read as ``like``'s dtype and shape: how swapped parameters arrive."""
+    from wcviz.digest._lanes import logical_bytes
+
+    raw = logical_bytes(src)
+    need = like.numel() * like.element_size()
+    if raw.numel() != need:
+        raise ValueError(f"fault swap_params{' on ' + what if what else ''}: {raw.numel()} and {need} bytes differ")
+    if need == 0:
+        return like.new_empty(like.shape)
+    return raw.view(like.dtype).reshape(like.shape)
+
+
+def shifted(t: torch.Tensor, shift: int) -> torch.Tensor:
+    """``t`` as it reads when its bytes arrive ``shift`` bytes late (zeros first, its tail lost)."""
+    import torch
+
+    from wcviz.digest._lanes import logical_bytes
+
+    raw = logical_bytes(t)
+    out = torch.zeros_like(raw)
+    if shift < raw.numel():
+        out[shift:] = raw[: raw.numel() - shift]
+    return as_like(out, t)

@@ -51,7 +51,7 @@ from wcviz.digest._lanes import logical_bytes
 from wcviz.refit._packing import Bucket, Meta, aligned, pack, plan, unpack, walk
 from wcviz.refit._shm import AttachedBuffer, BufferHandle, OwnedBuffer
 from wcviz.refit._transport import Transport
-from wcviz.refit.faults import FaultPlan
+from wcviz.refit.faults import FaultPlan, as_like, shifted
 from wcviz.refit.verify import RefitProtocolError, RefitResult, RefitTimeout, check
 
 if TYPE_CHECKING:
@@ -403,20 +403,6 @@ def _swap(named: list[tuple[str, torch.Tensor]], a: str, b: str) -> None:
     named[i], named[j] = (a, tb), (b, ta)
 
 
-def _as(src: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """``src``'s bytes read as ``like``'s dtype and shape."""
-    return logical_bytes(src).view(like.dtype).reshape(like.shape)
-
-
-def _shifted(t: torch.Tensor, shift: int) -> torch.Tensor:
-    """A copy of ``t`` whose bytes arrive ``shift`` late: zeros first, the tail lost (the fault shift_offset)."""
-    raw = logical_bytes(t)
-    out = torch.zeros_like(raw)
-    if shift < raw.numel():
-        out[shift:] = raw[: raw.numel() - shift]
-    return _as(out, t)
-
-
 @dataclass
 class _Stream:
     """The receiver's state for one stream."""
@@ -549,7 +535,7 @@ class IPCReceiver(Transport):
                 continue
             shift = sum(f.shift for f in self.faults.at(RECEIVER, name, kind="shift_offset"))
             if shift:
-                altered = _shifted(altered, shift)
+                altered = shifted(altered, shift)
             partner = self._partners.get(name)
             if partner is None:
                 out.append((name, altered))
@@ -557,7 +543,7 @@ class IPCReceiver(Transport):
                 stream.held[name] = altered.clone()  # the buffer will be reused; wait for the partner
             else:
                 theirs = stream.held.pop(partner)
-                out += [(partner, _as(altered, theirs)), (name, _as(theirs, altered))]
+                out += [(partner, as_like(altered, theirs)), (name, as_like(theirs, altered))]
         return out
 
     def _complete(self, stream: _Stream) -> dict[str, Any]:
