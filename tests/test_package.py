@@ -56,3 +56,16 @@ def test_public_names_are_not_shadowed_by_submodules() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_make_demo_runs_and_catches_both_faults(tmp_path: Path) -> None:
+    """What `make demo` runs: the CLI part finds the flipped bit, the refit part names the broken parameter."""
+    run = subprocess.run(
+        [sys.executable, "-m", "wcviz.demo", "--out", str(tmp_path / "demo")],
+        capture_output=True, text=True, timeout=300, cwd=REPO,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    out = run.stdout
+    assert "1 mismatch, 20 match" in out
+    assert "refit (clean): refit of 21 parameters (262,784 bytes) verified: every digest matches" in out
+    assert "refit (bit flipped on the wire): refit verification failed for 1 of 21 parameters; digest differs: model.layers.0.mlp.down_proj.weight" in out

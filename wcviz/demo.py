@@ -1,6 +1,10 @@
-"""``make demo``: write a small sharded checkpoint, digest it, and catch a one-bit change.
+"""``make demo``: digest a checkpoint, catch a one-bit change, then refit an engine process.
 
-A stand-in for the simulated-cluster demo: it runs the real CLI on real files.
+Part 1 runs the real CLI on real files: write a small sharded checkpoint,
+digest it, compare it with a copy where one bit flipped. Part 2 runs a real
+refit: a trainer (this process) streams its weights to an engine process over
+the colocated transport with verification ``log``, once cleanly and once with
+a bit flipped on the wire, and the sender names the parameter that broke.
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ import shutil
 import sys
 from pathlib import Path
 
-__all__ = ["tiny_llama_state_dict", "write_sharded", "main"]
+__all__ = ["tiny_llama_state_dict", "write_sharded", "refit_demo", "main"]
 
 
 def tiny_llama_state_dict(layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2, vocab: int = 256, seed: int = 0) -> dict:
@@ -59,6 +63,47 @@ def write_sharded(sd: dict, directory: Path, shards: int = 2) -> Path:
     return directory
 
 
+def _engine(address: str, faults: object, streams: int) -> None:
+    """The engine process: holds its own copy of the model, loads what the trainer streams."""
+    from wcviz.refit import IPCReceiver
+
+    model = {n: t.clone().zero_() for n, t in tiny_llama_state_dict().items()}
+    metadata = {n: (tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in model.items()}
+
+    def load_weights(batch: list) -> None:
+        for name, t in batch:
+            model[name].copy_(t)
+
+    with IPCReceiver(address, metadata, load_weights, verify="log", faults=faults, timeout_s=60) as rx:
+        for _ in range(streams):
+            rx.serve()
+
+
+def refit_demo() -> int:
+    """Two refits with verification ``log``: a clean one, then one with a bit flipped on the wire."""
+    import multiprocessing as mp
+
+    from wcviz.refit import Fault, FaultPlan, IPCSender
+
+    victim = "model.layers.0.mlp.down_proj.weight"
+    plans = {"clean": FaultPlan(), "bit flipped on the wire": FaultPlan((Fault("flip_bit", "wire", (victim,), bit=77),))}
+    sd = tiny_llama_state_dict()
+    worst = 0
+    for label, faults in plans.items():
+        with IPCSender(verify="log", faults=faults, buffer_bytes=64 << 10, timeout_s=60) as tx:
+            engine = mp.get_context("spawn").Process(target=_engine, args=(tx.address, faults, 1))
+            engine.start()
+            try:
+                result = tx.send(sd)
+            finally:
+                engine.join(30)
+                if engine.is_alive():
+                    engine.kill()
+        print(f"refit ({label}): {result.describe()}")
+        worst = max(worst, len(result.bad))
+    return worst
+
+
 def main(argv: list[str] | None = None) -> int:
     import torch
 
@@ -82,7 +127,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n$ wcviz compare {out / 'sent.csv'} {served}   # one bit flipped in {victim}", flush=True)
     rc = cli(["compare", str(out / "sent.csv"), str(served), "--no-progress"])
     print(f"(exit status {rc}: 1 means something differs)")
-    return 0 if rc == 1 else 1
+
+    print("\n# refit: trainer -> engine process over shared memory + ZMQ, verify: log", flush=True)
+    bad = refit_demo()
+    return 0 if rc == 1 and bad == 1 else 1
 
 
 if __name__ == "__main__":
