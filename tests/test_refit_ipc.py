@@ -38,7 +38,7 @@ from wcviz.refit.ipc import IPCReceiver, IPCSender
 
 BUFFER = 32 << 10  # tiny staging buffers: several ping-pong batches, and 32 KiB parameters travel alone
 FAST = 2.0  # seconds: the timeouts of the tests where a peer goes silent
-SLACK = 1.5  # what a timeout may overrun by
+SLACK = 5.0  # what a timeout may overrun by on a loaded 2-core machine (still proves: no hang)
 
 
 def build_model() -> dict[str, torch.Tensor]:
