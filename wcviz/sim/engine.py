@@ -1,0 +1,281 @@
+"""Inference-engine ranks that hold and load weights the way vLLM lays them out.
+
+One :class:`EngineShard` is one (tensor-parallel, pipeline-parallel) rank. Its
+``params`` carry vLLM's names and shapes: q/k/v fused into ``qkv_proj`` and
+gate/up into ``gate_up_proj`` (column-parallel), ``o_proj``/``down_proj``
+row-parallel, embedding and head vocabulary-parallel, norms and the MoE router
+replicated. :meth:`EngineShard.load_weights` narrows and fuses full Hugging Face
+tensors into them like vLLM's loaders do, with optional :class:`LoaderFaults`:
+the loader bugs users report, so that verification has something to catch.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from wcviz.sim.model import ModelConfig, parameter_shapes
+
+__all__ = ["EngineLayout", "EngineShard", "LoaderFaults", "pp_layers", "reassemble"]
+
+# vLLM's stacked_params_mapping: (engine param, HF param, shard id).
+STACKED = (
+    (".qkv_proj.", ".q_proj.", "q"),
+    (".qkv_proj.", ".k_proj.", "k"),
+    (".qkv_proj.", ".v_proj.", "v"),
+    (".gate_up_proj.", ".gate_proj.", "gate"),
+    (".gate_up_proj.", ".up_proj.", "up"),
+)
+_ROW_PARALLEL = ("self_attn.o_proj.weight", "down_proj.weight")
+_VOCAB_PARALLEL = ("model.embed_tokens.weight", "lm_head.weight")
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class EngineLayout:
+    """How many ranks an engine spreads over; rank = (dp * pp + pp_rank) * tp + tp_rank, as in vLLM."""
+
+    tp: int
+    pp: int
+    dp: int = 1
+
+    def __post_init__(self) -> None:
+        for field in ("tp", "pp", "dp"):
+            if getattr(self, field) < 1:
+                raise ValueError(f"EngineLayout.{field} must be >= 1, got {getattr(self, field)}")
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    def coords(self, rank: int) -> tuple[int, int, int]:
+        """(dp, pp, tp) coordinates of global ``rank``."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} outside world of {self.world_size}")
+        return rank // (self.pp * self.tp), rank // self.tp % self.pp, rank % self.tp
+
+    def rank(self, dp: int, pp: int, tp: int) -> int:
+        """Global rank of coordinates (dp, pp, tp)."""
+        return (dp * self.pp + pp) * self.tp + tp
+
+
+@dataclass(frozen=True)
+class LoaderFaults:
+    """Loader bugs to inject; regexes are matched (``re.search``) against Hugging Face names.
+
+    skip: matching parameters are silently not loaded.
+    fused_from_rank0: q/k/v and gate/up take TP rank 0's slice on every rank.
+    stale: load_weights consumes its input and writes nothing.
+    cast: matching parameters round-trip through float16 on load.
+    flip_bit: one bit (the lowest, of the middle element) is flipped in each matching parameter.
+    """
+
+    skip: str | None = None
+    fused_from_rank0: bool = False
+    stale: bool = False
+    cast: str | None = None
+    flip_bit: str | None = None
+
+
+def pp_layers(layers: int, pp_rank: int, pp_size: int) -> range:
+    """Layers pipeline stage ``pp_rank`` owns: vLLM's split, leftovers to the stages before the last."""
+    sizes = [layers // pp_size] * pp_size
+    for i in range(2, layers % pp_size + 2):
+        sizes[-i] += 1
+    start = sum(sizes[:pp_rank])
+    return range(start, start + sizes[pp_rank])
+
+
+def _match(pattern: str | None, name: str) -> bool:
+    return pattern is not None and re.search(pattern, name) is not None
+
+
+def _flip_lowest_bit(t: torch.Tensor) -> torch.Tensor:
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+    out = t.clone().contiguous()
+    flat = out.view(-1).view(ints)
+    flat[flat.numel() // 2] ^= 1
+    return out
+
+
+class EngineShard:
+    """The weights one engine rank holds, named and shaped as vLLM holds them."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        tp_rank: int,
+        tp_size: int,
+        pp_rank: int,
+        pp_size: int,
+        faults: LoaderFaults = LoaderFaults(),
+    ) -> None:
+        _check_layout(cfg, tp_rank, tp_size, pp_rank, pp_size)
+        self.cfg, self.faults = cfg, faults
+        self.tp_rank, self.tp_size, self.pp_rank, self.pp_size = tp_rank, tp_size, pp_rank, pp_size
+        self.layers = pp_layers(cfg.layers, pp_rank, pp_size)
+        hd, h = cfg.head_dim, cfg.hidden
+        # When tp > kv_heads each kv head is replicated over tp // kv_heads ranks.
+        self.kv_replicas = max(1, tp_size // cfg.kv_heads)
+        self.q_rows = cfg.heads // tp_size * hd
+        self.kv_rows = max(1, cfg.kv_heads // tp_size) * hd
+        self.inter_rows = cfg.intermediate // tp_size
+        self.vocab_rows = -(-cfg.vocab // tp_size)  # padded vocab / tp
+
+        shapes: dict[str, tuple[int, ...]] = {}
+        if pp_rank == 0 or (cfg.tie_embeddings and pp_rank == pp_size - 1):
+            shapes["model.embed_tokens.weight"] = (self.vocab_rows, h)
+        for i in self.layers:
+            p = f"model.layers.{i}."
+            shapes[p + "input_layernorm.weight"] = (h,)
+            shapes[p + "self_attn.qkv_proj.weight"] = (self.q_rows + 2 * self.kv_rows, h)
+            shapes[p + "self_attn.o_proj.weight"] = (h, self.q_rows)
+            shapes[p + "post_attention_layernorm.weight"] = (h,)
+            mlps = [p + "mlp."] if cfg.experts == 0 else [f"{p}mlp.experts.{e}." for e in range(cfg.experts)]
+            if cfg.experts:
+                shapes[p + "mlp.gate.weight"] = (cfg.experts, h)
+            for m in mlps:
+                shapes[m + "gate_up_proj.weight"] = (2 * self.inter_rows, h)
+                shapes[m + "down_proj.weight"] = (h, self.inter_rows)
+        if pp_rank == pp_size - 1:
+            shapes["model.norm.weight"] = (h,)
+            if not cfg.tie_embeddings:
+                shapes["lm_head.weight"] = (self.vocab_rows, h)
+        self.params: dict[str, torch.Tensor] = {n: torch.zeros(s, dtype=cfg.dtype) for n, s in shapes.items()}
+
+    def __repr__(self) -> str:
+        return f"EngineShard(tp={self.tp_rank}/{self.tp_size}, pp={self.pp_rank}/{self.pp_size}, layers={self.layers})"
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Narrow and fuse full HF tensors into this rank's params; returns the engine names written.
+
+        Names of layers (or embedding/head) another pipeline stage owns are ignored,
+        as is ``lm_head`` of a tied model; an unknown name raises KeyError.
+        """
+        written: set[str] = set()
+        for hf_name, full in weights:
+            if self.faults.stale or _match(self.faults.skip, hf_name):
+                continue
+            name, shard_id = _engine_name(hf_name)
+            if name not in self.params:
+                if self._owned_elsewhere(name):
+                    continue
+                raise KeyError(f"{hf_name}: no such parameter in a {self.cfg} engine")
+            dest, piece = self._place(name, shard_id, full)
+            if _match(self.faults.cast, hf_name):
+                piece = piece.to(torch.float16)
+            piece = piece.to(dest.dtype)
+            if _match(self.faults.flip_bit, hf_name):
+                piece = _flip_lowest_bit(piece)
+            dest.copy_(piece)
+            written.add(name)
+        return written
+
+    def _owned_elsewhere(self, name: str) -> bool:
+        m = _LAYER.match(name)
+        if m:
+            layer = int(m.group(1))
+            return layer < self.cfg.layers and layer not in self.layers
+        if name == "lm_head.weight" and self.cfg.tie_embeddings:
+            return True  # vLLM skips a tied head: it *is* the embedding
+        return name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
+
+    def _place(self, name: str, shard_id: str | None, full: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(view of this rank's param to write, the slice of ``full`` that belongs there)."""
+        param, r = self.params[name], self.tp_rank
+        if shard_id is not None and self.faults.fused_from_rank0:
+            r = 0
+        if shard_id == "q":
+            return param[: self.q_rows], full.narrow(0, r * self.q_rows, self.q_rows)
+        if shard_id in ("k", "v"):
+            offset = self.q_rows + (self.kv_rows if shard_id == "v" else 0)
+            head = r // self.kv_replicas
+            return param[offset : offset + self.kv_rows], full.narrow(0, head * self.kv_rows, self.kv_rows)
+        if shard_id in ("gate", "up"):
+            offset = self.inter_rows if shard_id == "up" else 0
+            return param[offset : offset + self.inter_rows], full.narrow(0, r * self.inter_rows, self.inter_rows)
+        if name.endswith(_ROW_PARALLEL):
+            cols = param.shape[1]
+            return param, full.narrow(1, r * cols, cols)
+        if name in _VOCAB_PARALLEL:
+            start = r * self.vocab_rows
+            piece = full[start : start + self.vocab_rows]  # the last rank's tail is padding, left zero
+            return param[: piece.shape[0]], piece
+        return param, full  # replicated: norms, MoE router
+
+
+def _engine_name(hf_name: str) -> tuple[str, str | None]:
+    for engine, hf, shard_id in STACKED:
+        if hf in hf_name:
+            return hf_name.replace(hf, engine), shard_id
+    return hf_name, None
+
+
+def _check_layout(cfg: ModelConfig, tp_rank: int, tp_size: int, pp_rank: int, pp_size: int) -> None:
+    if tp_size < 1 or not 0 <= tp_rank < tp_size:
+        raise ValueError(f"tp_rank {tp_rank} outside tp_size {tp_size}")
+    if pp_size < 1 or not 0 <= pp_rank < pp_size:
+        raise ValueError(f"pp_rank {pp_rank} outside pp_size {pp_size}")
+    if cfg.heads % tp_size:
+        raise ValueError(f"tp_size {tp_size} must divide ModelConfig.heads ({cfg.heads})")
+    if cfg.kv_heads % tp_size and tp_size % cfg.kv_heads:
+        raise ValueError(f"tp_size {tp_size} must divide, or be a multiple of, ModelConfig.kv_heads ({cfg.kv_heads})")
+    if cfg.intermediate % tp_size:
+        raise ValueError(f"tp_size {tp_size} must divide ModelConfig.intermediate ({cfg.intermediate})")
+    if cfg.layers < pp_size:
+        raise ValueError(f"pp_size {pp_size} exceeds ModelConfig.layers ({cfg.layers})")
+
+
+def reassemble(shards: list[EngineShard]) -> dict[str, torch.Tensor]:
+    """Full HF-named tensors rebuilt from every (tp, pp) shard of one engine: the layout's inverse.
+
+    Concatenates TP slices, unfuses qkv/gate_up, keeps the first replica of each kv
+    head (and the first stage's copy of a tied embedding) and strips vocab padding.
+    """
+    if not shards:
+        raise ValueError("reassemble needs at least one shard")
+    cfg, tp, pp = shards[0].cfg, shards[0].tp_size, shards[0].pp_size
+    grid = {(s.pp_rank, s.tp_rank): s for s in shards}
+    if len(grid) != len(shards) or set(grid) != {(p, t) for p in range(pp) for t in range(tp)}:
+        raise ValueError(f"need exactly one shard per (pp, tp) in {pp}x{tp}, got {sorted(grid)}")
+    if any((s.cfg, s.tp_size, s.pp_size) != (cfg, tp, pp) for s in shards):
+        raise ValueError("shards come from different configs or layouts")
+
+    out: dict[str, torch.Tensor] = {}
+    for name in parameter_shapes(cfg):
+        engine, shard_id = _engine_name(name)
+        stage = next(p for p in range(pp) if engine in grid[(p, 0)].params)
+        ranks = [grid[(stage, t)] for t in range(tp)]
+        parts = []
+        for s in ranks:
+            if shard_id in ("k", "v") and s.tp_rank % s.kv_replicas:
+                continue  # a replica of a head already taken
+            parts.append(_own_part(s, engine, shard_id))
+        if engine in _VOCAB_PARALLEL:
+            out[name] = torch.cat(parts)[: cfg.vocab]
+        elif engine.endswith(_ROW_PARALLEL):
+            out[name] = torch.cat(parts, dim=1)
+        elif shard_id is None:
+            out[name] = parts[0].clone()  # replicated: norms, router
+        else:
+            out[name] = torch.cat(parts)
+    return out
+
+
+def _own_part(s: EngineShard, engine: str, shard_id: str | None) -> torch.Tensor:
+    """The slice of ``engine`` on shard ``s`` that came from the HF param ``shard_id`` names."""
+    p = s.params[engine]
+    rows = {
+        "q": (0, s.q_rows),
+        "k": (s.q_rows, s.kv_rows),
+        "v": (s.q_rows + s.kv_rows, s.kv_rows),
+        "gate": (0, s.inter_rows),
+        "up": (s.inter_rows, s.inter_rows),
+    }
+    if shard_id is None:
+        return p
+    start, n = rows[shard_id]
+    return p.narrow(0, start, n)
