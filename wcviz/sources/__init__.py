@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
+from wcviz.sources._http import FetchResult, fetch, fetch_agents
 from wcviz.sources._safetensors import from_safetensors
 from wcviz.sources._tensors import from_module, from_named_tensors, from_state_dict
 
-__all__ = ["from_module", "from_named_tensors", "from_safetensors", "from_state_dict"]
+__all__ = ["FetchResult", "fetch", "fetch_agents", "from_module", "from_named_tensors", "from_safetensors", "from_state_dict"]

@@ -1,0 +1,335 @@
+"""The per-rank HTTP agent and its client: live digests, refusals as JSON, rank identity from /v1/info."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import socket
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pandas as pd
+import pytest
+import torch
+
+from wcviz.agent import Agent
+from wcviz.frame import COLUMNS, validate
+from wcviz.sources import FetchResult, fetch, fetch_agents, from_named_tensors
+
+TOKEN = "s3cret"
+
+
+def _weights(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "model.embed_tokens.weight": torch.randn(8, 4, generator=g),
+        "model.layers.0.self_attn.q_proj.weight": torch.randn(4, 4, generator=g).to(torch.bfloat16),
+        "model.layers.0.mlp.up_proj.weight": torch.randn(6, 4, generator=g),
+        "model.norm.weight": torch.ones(4),
+    }
+
+
+def _request(app: Any, method: str, path: str, **kw: Any) -> httpx.Response:
+    async def go() -> httpx.Response:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://agent") as c:
+            return await c.request(method, path, **kw)
+
+    return asyncio.run(go())
+
+
+# ---- in-process (ASGITransport) ------------------------------------------------------------
+
+
+def test_info_reports_identity_and_live_param_count() -> None:
+    weights = _weights()
+    agent = Agent(lambda: weights, role="engine", rank=3, dp=1, pp=0, tp=1, host="node7")
+    r = _request(agent.app, "GET", "/v1/info")
+    assert r.status_code == 200
+    assert r.json() == {
+        "role": "engine", "rank": 3, "dp": 1, "pp": 0, "tp": 1, "ep": None, "host": "node7", "device": "cpu",
+        "algo": "nemo-rl-v3", "params": 4, "mutations_allowed": False, "api": "v1",
+    }
+    weights["extra"] = torch.zeros(2)  # the agent reads the holder on every request
+    assert _request(agent.app, "GET", "/v1/info").json()["params"] == 5
+
+
+@pytest.mark.parametrize("algo", ["nemo-rl-v3", "sha256"])
+def test_digest_rows_equal_from_named_tensors(algo: str) -> None:
+    weights = _weights()
+    agent = Agent(lambda: weights, role="engine", rank=2, tp=1, pp=0, host="h", algo=algo)
+    r = _request(agent.app, "GET", "/v1/digests")
+    assert r.status_code == 200
+    got = validate(pd.DataFrame.from_records(r.json()["rows"]))
+    want = from_named_tensors(weights, algo=algo, role="engine", rank=2, tp=1, pp=0, host="h")
+    assert list(got.columns) == list(COLUMNS)
+    cols = [c for c in COLUMNS if c != "seconds"]  # digest time differs run to run
+    pd.testing.assert_frame_equal(got[cols], want[cols])
+    assert got["digest"].str.len().eq(32 if algo == "nemo-rl-v3" else 64).all()
+    assert (got["seconds"] >= 0).all()
+
+
+def test_name_filter_and_bad_requests_are_json_4xx() -> None:
+    agent = Agent(_weights, role="engine", rank=0)
+    rows = _request(agent.app, "GET", "/v1/digests", params={"name": r"layers\.0\."}).json()["rows"]
+    assert sorted(r["name"] for r in rows) == ["model.layers.0.mlp.up_proj.weight", "model.layers.0.self_attn.q_proj.weight"]
+    for method, path, params, status in [
+        ("GET", "/v1/digests", {"name": "(unclosed"}, 400),
+        ("GET", "/v1/digests", {"nmae": "x"}, 400),
+        ("GET", "/v1/info", {"verbose": "1"}, 400),
+        ("GET", "/v1/nope", {}, 404),
+        ("GET", "/", {}, 404),
+        ("POST", "/v1/digests", {}, 405),
+        ("DELETE", "/v1/info", {}, 405),
+        ("GET", "/v1/reset", {}, 405),
+    ]:
+        r = _request(agent.app, method, path, params=params)
+        assert r.status_code == status, (method, path, params, r.text)
+        assert r.headers["content-type"] == "application/json"
+        assert isinstance(r.json()["error"], str) and r.json()["error"]
+
+
+def test_holder_raising_is_500_json_and_agent_keeps_serving() -> None:
+    broken = {"on": True}
+
+    def holder() -> dict[str, torch.Tensor]:
+        if broken["on"]:
+            raise RuntimeError("rank lost its weights")
+        return _weights()
+
+    agent = Agent(holder, role="trainer", rank=1)
+    for path in ("/v1/digests", "/v1/info"):
+        r = _request(agent.app, "GET", path)
+        assert r.status_code == 500
+        assert r.json() == {"error": "RuntimeError: rank lost its weights"}
+    broken["on"] = False
+    assert len(_request(agent.app, "GET", "/v1/digests").json()["rows"]) == 4
+
+
+def test_undigestable_tensor_is_500_naming_it() -> None:
+    agent = Agent(lambda: {"w": torch.empty(2, device="meta")}, role="engine", rank=0)
+    r = _request(agent.app, "GET", "/v1/digests")
+    assert r.status_code == 500 and "DigestError" in r.json()["error"]
+
+
+def test_mutations_need_opt_in_and_token() -> None:
+    calls: list[str] = []
+    disabled = Agent(_weights, role="engine", rank=0, token=TOKEN, reset=lambda: calls.append("reset"))
+    r = _request(disabled.app, "POST", "/v1/reset", headers={"Authorization": f"Bearer {TOKEN}"})
+    assert r.status_code == 403 and "mutations are disabled" in r.json()["error"]
+
+    agent = Agent(
+        _weights, role="engine", rank=0, token=TOKEN, allow_mutations=True,
+        snapshot=lambda: calls.append("snapshot"), reset=lambda: calls.append("reset"),
+    )
+    assert _request(agent.app, "GET", "/v1/info").json()["mutations_allowed"] is True
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN}, {"Authorization": f"Basic {TOKEN}"}):
+        r = _request(agent.app, "POST", "/v1/reset", headers=headers)
+        assert r.status_code == 401, headers
+        assert "token" in r.json()["error"]
+    assert calls == []
+    r = _request(agent.app, "POST", "/v1/reset", headers={"Authorization": f"Bearer {TOKEN}"})
+    assert r.status_code == 200 and r.json()["ok"] is True and r.json()["action"] == "reset"
+    assert calls == ["reset"]
+    r = _request(agent.app, "POST", "/v1/reload", headers={"Authorization": f"Bearer {TOKEN}"})
+    assert r.status_code == 501 and "reload" in r.json()["error"]
+    assert calls == ["reset"]
+
+
+def test_mutation_callable_raising_is_500() -> None:
+    def boom() -> None:
+        raise OSError("disk gone")
+
+    agent = Agent(_weights, role="engine", rank=0, token=TOKEN, allow_mutations=True, snapshot=boom)
+    r = _request(agent.app, "POST", "/v1/snapshot", headers={"Authorization": f"Bearer {TOKEN}"})
+    assert r.status_code == 500 and r.json() == {"error": "OSError: disk gone"}
+
+
+def test_constructor_checks() -> None:
+    with pytest.raises(ValueError, match="needs a token"):
+        Agent(_weights, role="engine", rank=0, allow_mutations=True)
+    with pytest.raises(ValueError, match="unknown algo"):
+        Agent(_weights, role="engine", rank=0, algo="md5")
+    with pytest.raises(TypeError, match="holder must be a callable"):
+        Agent(_weights(), role="engine", rank=0)  # type: ignore[arg-type]
+
+
+def test_fetch_in_process_and_sync_wrapper_refuses_running_loop() -> None:
+    agent = Agent(_weights, role="engine", rank=5, tp=1)
+    result = fetch(["http://agent"], transport=httpx.ASGITransport(app=agent.app))
+    assert result.complete and result.summary == "1 of 1 ranks answered"
+    assert set(result.frame["rank"]) == {5} and len(result.frame) == 4
+    assert list(result.frame.columns) == [*COLUMNS, "url"]
+
+    async def inside() -> None:
+        with pytest.raises(RuntimeError, match="await fetch_agents"):
+            fetch(["http://agent"], transport=httpx.ASGITransport(app=agent.app))
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=agent.app)) as client:
+            awaited = await fetch_agents("http://agent/", client=client)
+            assert not client.is_closed  # a client given is the caller's to close
+        assert awaited.complete and awaited.urls == ("http://agent",)
+        pd.testing.assert_frame_equal(awaited.frame.drop(columns="seconds"), result.frame.drop(columns="seconds"))
+
+    asyncio.run(inside())
+
+
+def test_fetch_reports_a_failing_rank_with_its_identity() -> None:
+    def holder() -> dict[str, torch.Tensor]:
+        raise RuntimeError("oom")
+
+    agent = Agent(holder, role="engine", rank=0)
+    app = agent.app
+    transport = httpx.ASGITransport(app=app)
+
+    async def info_only(request: httpx.Request) -> httpx.Response:  # info answers, digests fail
+        if request.url.path == "/v1/info":
+            return httpx.Response(200, json={"role": "engine", "rank": 0, "tp": 2, "params": 1})
+        return await transport.handle_async_request(request)
+
+    result = fetch(["http://agent"], transport=httpx.MockTransport(info_only), retries=1, timeout_s=2)
+    assert not result.complete and result.frame.empty
+    assert list(result.failed["url"]) == ["http://agent"]
+    row = result.failed.iloc[0]
+    assert (row["kind"], row["rank"], row["tp"]) == ("failed", 0, 2)
+    assert "HTTP 500" in row["error"] and "oom" in row["error"]
+    assert result.summary.startswith("0 of 1 ranks answered; 1 failed: http://agent (HTTP 500")
+
+
+def test_fetch_rejects_rows_that_contradict_info() -> None:
+    liar = Agent(_weights, role="engine", rank=1)
+    transport = httpx.ASGITransport(app=liar.app)
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/info":
+            return httpx.Response(200, json={"role": "engine", "rank": 2, "params": 4})
+        return await transport.handle_async_request(request)
+
+    result = fetch(["http://liar"], transport=httpx.MockTransport(handler))
+    assert not result.complete and "rank" in result.errors["http://liar"]
+
+
+# ---- real servers on loopback --------------------------------------------------------------
+
+
+@pytest.fixture
+def cluster() -> Iterator[tuple[list[Agent], list[dict[str, torch.Tensor]]]]:
+    """Four engine ranks on 127.0.0.1: rank = pp * 2 + tp, each with its own weights."""
+    held = [_weights(seed=r) for r in range(4)]
+    agents = [Agent(lambda w=w: w, role="engine", rank=r, pp=r // 2, tp=r % 2, host="local") for r, w in enumerate(held)]
+    for a in agents:
+        a.start()
+    try:
+        yield agents, held
+    finally:
+        for a in agents:
+            a.stop()
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_fetch_real_servers_identity_from_info_not_url_order(cluster: tuple[list[Agent], list[dict]]) -> None:
+    agents, held = cluster
+    urls = [a.url for a in agents]
+    assert all(u.startswith("http://127.0.0.1:") for u in urls)
+    expected = pd.concat(
+        [from_named_tensors(w, role="engine", rank=r, pp=r // 2, tp=r % 2, host="local") for r, w in enumerate(held)]
+    )
+    want = {(int(r.rank), int(r.pp), int(r.tp), r.name): r.digest for r in expected.itertuples()}
+    rng = random.Random(7)
+    for _ in range(2):
+        shuffled = urls[:]
+        rng.shuffle(shuffled)
+        result = fetch(shuffled, timeout_s=5)
+        assert result.complete and result.errors == {} and result.failed.empty
+        assert result.summary == "4 of 4 ranks answered"
+        got = {(int(r.rank), int(r.pp), int(r.tp), r.name): r.digest for r in result.frame.itertuples()}
+        assert got == want
+        assert list(result.frame["rank"].drop_duplicates()) == [0, 1, 2, 3]  # ordered by identity, not by URL
+        by_url = result.frame.groupby("url")["rank"].unique().to_dict()
+        assert {u: list(v) for u, v in by_url.items()} == {a.url: [a.rank] for a in agents}
+
+
+def test_fetch_reports_unreachable_rank_without_dropping_it(cluster: tuple[list[Agent], list[dict]]) -> None:
+    agents, _ = cluster
+    dead = f"http://127.0.0.1:{_closed_port()}"
+    urls = [agents[0].url, dead, agents[1].url, agents[2].url]
+    result = fetch(urls, timeout_s=2, retries=1)
+    assert isinstance(result, FetchResult)
+    assert not result.complete and result.answered == 3
+    assert set(result.frame["url"]) == {agents[0].url, agents[1].url, agents[2].url}
+    assert list(result.failed["url"]) == [dead] and result.failed["kind"].tolist() == ["unreachable"]
+    assert result.failed["rank"].isna().all()  # info never came: no identity is made up
+    assert "ConnectError" in result.errors[dead]
+    assert result.summary.startswith(f"3 of 4 ranks answered; 1 unreachable: {dead} (ConnectError")
+
+
+def test_changed_weight_shows_on_exactly_that_rank(cluster: tuple[list[Agent], list[dict]]) -> None:
+    agents, held = cluster
+    urls = [a.url for a in agents]
+    before = fetch(urls, timeout_s=5).frame.set_index(["rank", "name"])["digest"]
+    held[2]["model.layers.0.mlp.up_proj.weight"][0, 0] += 1.0
+    after = fetch(urls, timeout_s=5).frame.set_index(["rank", "name"])["digest"]
+    changed = before[before != after]
+    assert list(changed.index) == [(2, "model.layers.0.mlp.up_proj.weight")]
+
+
+def test_duplicate_rank_claims_fail_both(cluster: tuple[list[Agent], list[dict]]) -> None:
+    agents, held = cluster
+    twin = Agent(lambda: held[1], role="engine", rank=1, pp=0, tp=1, host="local")
+    with twin:
+        twin_url = twin.url
+        result = fetch([agents[0].url, agents[1].url, twin_url], timeout_s=5)
+    assert not result.complete and result.answered == 1
+    assert set(result.failed["url"]) == {agents[1].url, twin_url}
+    assert set(result.frame["url"]) == {agents[0].url}
+    assert "claims the same rank" in result.errors[twin_url]
+
+
+def test_stop_frees_port_and_joins_thread() -> None:
+    before = set(threading.enumerate())
+    agent = Agent(_weights, role="engine", rank=0)
+    url = agent.start()
+    port = int(url.rsplit(":", 1)[1])
+    assert httpx.get(f"{url}/v1/digests", timeout=5).status_code == 200  # digest work ran in a worker thread
+    assert agent.running
+    agent.stop()
+    agent.stop()  # idempotent
+    assert not agent.running and agent.url is None
+    leftover = [t for t in set(threading.enumerate()) - before if t.is_alive() and t.name != "tqdm_monitor"]
+    assert leftover == []
+    with socket.socket() as s:  # the port is free again
+        s.bind(("127.0.0.1", port))
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"{url}/v1/info", timeout=1)
+    with Agent(_weights, role="engine", rank=0) as again:  # an agent can start again after another stopped
+        assert httpx.get(f"{again.url}/v1/info", timeout=5).json()["rank"] == 0
+    assert not again.running
+
+
+def test_start_on_busy_port_is_a_clear_error() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        with pytest.raises(RuntimeError, match="failed to start"):
+            Agent(_weights, role="engine", rank=0).start(port=port)
+
+
+def test_fetch_times_out_a_hanging_rank() -> None:
+    import time
+
+    def slow() -> dict[str, torch.Tensor]:
+        time.sleep(0.5)
+        return _weights()
+
+    agent = Agent(slow, role="engine", rank=0)
+    t0 = time.perf_counter()
+    result = fetch(["http://slow"], transport=httpx.ASGITransport(app=agent.app), timeout_s=0.1, retries=1)
+    assert time.perf_counter() - t0 < 2.0
+    assert not result.complete and result.failed["kind"].tolist() == ["unreachable"]
+    assert "timed out after 0.1 s" in result.errors["http://slow"]

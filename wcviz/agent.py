@@ -1,0 +1,338 @@
+"""One rank's digests over HTTP: a small Starlette app a trainer or engine rank can host.
+
+The agent never caches: every request calls ``holder()`` and digests the rank's live
+weights, so what it reports is what the rank holds at that moment. Endpoints (JSON,
+versioned under ``/v1/``):
+
+=====================  =====================================================================
+``GET /v1/info``       role, rank, dp, pp, tp, ep, host, device, algo, params, mutations_allowed
+``GET /v1/digests``    ``{"rows": [...]}`` in the :mod:`wcviz.frame` schema; ``?name=REGEX``
+                       keeps the parameters whose name matches (``re.search``)
+``POST /v1/snapshot``  run the ``snapshot`` callable; likewise ``/v1/reset`` and ``/v1/reload``
+=====================  =====================================================================
+
+Mutating endpoints change what the rank holds, so they need two keys: the opt-in at
+construction (``allow_mutations=True``, else 403) and ``Authorization: Bearer <token>``
+(else 401). Every error is a JSON ``{"error": ...}`` with a 4xx/5xx status; nothing a
+client sends can take down the hosting process or the server thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import math
+import re
+import socket
+import threading
+import time
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from wcviz.digest import ALGORITHMS, DEFAULT_ALGO
+
+if TYPE_CHECKING:
+    import torch
+    import uvicorn
+
+__all__ = ["Agent", "API_VERSION", "MUTATIONS"]
+
+API_VERSION = "v1"
+MUTATIONS = ("snapshot", "reset", "reload")
+
+Holder = Callable[[], "Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]"]
+Endpoint = Callable[[Request], Awaitable[JSONResponse]]
+
+
+class _ClientError(Exception):
+    """A request the agent refuses, with the status to answer."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"error": message}, status_code=status)
+
+
+def _check_params(request: Request, allowed: Iterable[str]) -> None:
+    """Refuse query parameters the endpoint does not know (a typo must not be ignored silently)."""
+    unknown = sorted(set(request.query_params) - set(allowed))
+    if unknown:
+        known = ", ".join(allowed) or "none"
+        raise _ClientError(400, f"unknown query parameter(s) {', '.join(unknown)}; allowed: {known}")
+
+
+def _guarded(fn: Endpoint) -> Endpoint:
+    """Turn refusals into 4xx JSON and any exception into a 500 JSON naming it."""
+
+    async def endpoint(request: Request) -> JSONResponse:
+        try:
+            return await fn(request)
+        except _ClientError as e:
+            return _error(e.status, e.message)
+        except Exception as e:  # noqa: BLE001 - the holder, the digest or a callable failed: report, keep serving
+            return _error(500, f"{type(e).__name__}: {e}")
+
+    return endpoint
+
+
+async def _in_thread(fn: Callable[[], Any]) -> Any:
+    """Run blocking work (digesting, a reset) off the event loop, in the loop's default executor.
+
+    The serving thread shuts that executor down on stop, so no worker thread outlives the agent.
+    """
+    return await asyncio.get_running_loop().run_in_executor(None, fn)
+
+
+def _json_value(v: Any) -> Any:
+    """A frame cell as JSON: NA/NaN -> null, numpy scalars -> Python."""
+    if v is None:
+        return None
+    try:
+        import pandas as pd
+
+        if v is pd.NA:
+            return None
+    except ImportError:  # pragma: no cover - pandas is a dependency
+        pass
+    if hasattr(v, "item"):
+        v = v.item()
+    if isinstance(v, float) and math.isnan(v):
+        return None
+    return v
+
+
+class Agent:
+    """Serve one rank's live weight digests over HTTP.
+
+    ``holder`` returns the rank's current ``{name: tensor}`` (or ``(name, tensor)`` pairs)
+    and is called on every request. ``snapshot``/``reset``/``reload`` are optional
+    callables behind the mutating endpoints; they only run when ``allow_mutations`` is
+    set and the request carries ``token``.
+    """
+
+    def __init__(
+        self,
+        holder: Holder,
+        *,
+        role: str,
+        rank: int,
+        dp: int | None = None,
+        pp: int | None = None,
+        tp: int | None = None,
+        ep: int | None = None,
+        host: str | None = None,
+        algo: str = DEFAULT_ALGO,
+        token: str | None = None,
+        allow_mutations: bool = False,
+        snapshot: Callable[[], Any] | None = None,
+        reset: Callable[[], Any] | None = None,
+        reload: Callable[[], Any] | None = None,
+    ) -> None:
+        if not callable(holder):
+            raise TypeError(f"holder must be a callable returning the rank's named tensors, got {type(holder).__name__}")
+        if not role or not isinstance(role, str):
+            raise ValueError("role must be a non-empty string (trainer, engine, ...)")
+        if algo not in ALGORITHMS:
+            raise ValueError(f"unknown algo {algo!r}; choose one of {', '.join(ALGORITHMS)}")
+        if allow_mutations and not token:
+            raise ValueError("allow_mutations=True needs a token: mutating endpoints must be authenticated")
+        for label, fn in (("snapshot", snapshot), ("reset", reset), ("reload", reload)):
+            if fn is not None and not callable(fn):
+                raise TypeError(f"{label} must be callable or None, got {type(fn).__name__}")
+        self.holder = holder
+        self.role = role
+        self.rank = int(rank)
+        self.coords = {"dp": dp, "pp": pp, "tp": tp, "ep": ep}
+        self.host = host if host is not None else socket.gethostname()
+        self.algo = algo
+        self.allow_mutations = bool(allow_mutations)
+        self._token = token
+        self._actions: dict[str, Callable[[], Any] | None] = {"snapshot": snapshot, "reset": reset, "reload": reload}
+        self._lock = threading.Lock()  # a digest never reads weights halfway through a reset/reload
+        self._server: uvicorn.Server | None = None
+        self._thread: threading.Thread | None = None
+        self.url: str | None = None
+        self.app = self._make_app()
+
+    # ---- the app -------------------------------------------------------------------------
+
+    def _make_app(self) -> Starlette:
+        routes = [
+            Route(f"/{API_VERSION}/info", _guarded(self._info), methods=["GET"]),
+            Route(f"/{API_VERSION}/digests", _guarded(self._digests), methods=["GET"]),
+        ]
+        for action in MUTATIONS:
+            routes.append(Route(f"/{API_VERSION}/{action}", _guarded(self._mutation(action)), methods=["POST"]))
+
+        async def http_error(request: Request, exc: Exception) -> JSONResponse:
+            assert isinstance(exc, HTTPException)
+            if exc.status_code == 405:
+                return _error(405, f"method {request.method} not allowed on {request.url.path}")
+            if exc.status_code == 404:
+                return _error(404, f"no such endpoint {request.url.path}; see /{API_VERSION}/info")
+            return _error(exc.status_code, str(exc.detail))
+
+        return Starlette(routes=routes, exception_handlers={HTTPException: http_error})
+
+    def _identity(self) -> dict[str, Any]:
+        return {"role": self.role, "rank": self.rank, **self.coords, "host": self.host}
+
+    def _named(self) -> list[tuple[str, torch.Tensor]]:
+        """The rank's tensors now, as a list of pairs."""
+        held = self.holder()
+        items = list(held.items() if isinstance(held, Mapping) else held)
+        for item in items:
+            if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
+                raise TypeError(f"holder must return name -> tensor pairs, got an item {type(item).__name__}")
+        return items
+
+    async def _info(self, request: Request) -> JSONResponse:
+        _check_params(request, ())
+
+        def read() -> dict[str, Any]:
+            with self._lock:
+                items = self._named()
+            devices = sorted({str(t.device) for _, t in items})
+            return {
+                **self._identity(),
+                "device": ",".join(devices) if devices else None,
+                "algo": self.algo,
+                "params": len(items),
+                "mutations_allowed": self.allow_mutations,
+                "api": API_VERSION,
+            }
+
+        return JSONResponse(await _in_thread(read))
+
+    async def _digests(self, request: Request) -> JSONResponse:
+        _check_params(request, ("name",))
+        pattern = request.query_params.get("name")
+        regex = None
+        if pattern is not None:
+            try:
+                regex = re.compile(pattern)
+            except re.error as e:
+                raise _ClientError(400, f"bad name regex {pattern!r}: {e}") from None
+
+        def digest() -> list[dict[str, Any]]:
+            from wcviz.sources import from_named_tensors
+
+            with self._lock:
+                items = self._named()
+                if regex is not None:
+                    items = [(n, t) for n, t in items if regex.search(n)]
+                frame = from_named_tensors(items, algo=self.algo, progress=False, **self._identity())
+            return [{k: _json_value(v) for k, v in rec.items()} for rec in frame.to_dict(orient="records")]
+
+        return JSONResponse({"rows": await _in_thread(digest)})
+
+    def _authorized(self, request: Request) -> bool:
+        header = request.headers.get("authorization", "")
+        scheme, _, given = header.partition(" ")
+        if scheme.lower() != "bearer" or not given or self._token is None:
+            return False
+        return hmac.compare_digest(given.strip().encode(), self._token.encode())
+
+    def _mutation(self, action: str) -> Endpoint:
+        async def endpoint(request: Request) -> JSONResponse:
+            _check_params(request, ())
+            if not self.allow_mutations:
+                raise _ClientError(403, f"mutations are disabled on this agent ({action} refused); start it with allow_mutations=True")
+            if not self._authorized(request):
+                raise _ClientError(401, f"{action} needs 'Authorization: Bearer <token>' with this agent's token")
+            fn = self._actions[action]
+            if fn is None:
+                raise _ClientError(501, f"this agent has no {action} callable configured")
+
+            def run() -> None:
+                with self._lock:
+                    fn()
+
+            await _in_thread(run)
+            return JSONResponse({"ok": True, "action": action, **self._identity()})
+
+        return endpoint
+
+    # ---- serving -------------------------------------------------------------------------
+
+    def start(self, host: str = "127.0.0.1", port: int = 0, *, timeout_s: float = 10.0) -> str:
+        """Serve in a background daemon thread; return the base URL once it accepts connections."""
+        import uvicorn
+
+        if self._thread is not None:
+            raise RuntimeError(f"agent already running at {self.url}")
+        config = uvicorn.Config(self.app, host=host, port=port, log_level="warning", lifespan="off")
+        server = uvicorn.Server(config)
+        failure: list[BaseException] = []
+
+        def serve() -> None:
+            # A fresh loop in this thread; uvicorn installs signal handlers only on the main thread.
+            loop = asyncio.new_event_loop()
+            try:
+                loop.run_until_complete(server.serve())
+            except BaseException as e:  # noqa: BLE001 - includes uvicorn's SystemExit on bind failure
+                failure.append(e)
+            finally:
+                loop.run_until_complete(loop.shutdown_default_executor())
+                loop.close()
+
+        thread = threading.Thread(target=serve, name=f"wcviz-agent-{self.role}-{self.rank}", daemon=True)
+        thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not server.started:
+            if not thread.is_alive():
+                why = f"{type(failure[0]).__name__}: {failure[0]}" if failure else "server thread exited"
+                raise RuntimeError(f"agent for {self.role} rank {self.rank} failed to start on {host}:{port} ({why})")
+            if time.monotonic() > deadline:
+                server.should_exit = True
+                thread.join(timeout=5)
+                raise RuntimeError(f"agent for {self.role} rank {self.rank} did not start on {host}:{port} within {timeout_s} s")
+            time.sleep(0.01)
+        bound = server.servers[0].sockets[0].getsockname()
+        shown = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
+        self._server, self._thread = server, thread
+        self.url = f"http://{shown}:{bound[1]}"
+        return self.url
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Shut the server down and join its thread; safe to call twice."""
+        server, thread = self._server, self._thread
+        if server is None or thread is None:
+            return
+        server.should_exit = True
+        thread.join(timeout=timeout_s)
+        if thread.is_alive():
+            server.force_exit = True
+            thread.join(timeout=timeout_s)
+            if thread.is_alive():
+                raise RuntimeError(f"agent at {self.url} did not stop within {2 * timeout_s} s")
+        self._server = self._thread = None
+        self.url = None
+
+    @property
+    def running(self) -> bool:
+        """Whether the server thread is up."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def __enter__(self) -> Agent:
+        if self._thread is None:
+            self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        coords = ", ".join(f"{k}={v}" for k, v in self.coords.items() if v is not None)
+        where = self.url or "not started"
+        return f"Agent({self.role} rank {self.rank}{', ' + coords if coords else ''}; {where})"

@@ -1,0 +1,255 @@
+"""A source over HTTP: collect the digest tables of many :class:`wcviz.agent.Agent` ranks at once.
+
+Rank identity comes from each agent's ``/v1/info``, never from the order of the URLs.
+
+Design choice for ranks that do not answer: the digest schema requires ``name``,
+``digest`` and ``algo`` on every row, and a rank that was not collected has none of
+them, so it cannot be a row of :attr:`FetchResult.frame` without a made-up digest. Such
+ranks go to a separate :attr:`FetchResult.failed` frame instead (one row per URL: url,
+kind, error and whatever identity is known), and :attr:`FetchResult.complete` and
+:attr:`FetchResult.summary` account for them. Every URL given ends up in exactly one
+of the two frames; none is dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import pandas as pd
+
+from wcviz._errors import TableError
+from wcviz.frame import IDENTITY, make_frame, validate
+
+__all__ = ["FetchResult", "fetch", "fetch_agents", "FAILED_COLUMNS"]
+
+FAILED_COLUMNS = ("url", "kind", "error", "role", "rank", "dp", "pp", "tp", "ep", "host")
+_KEY = ("role",) + IDENTITY  # what makes two ranks the same rank
+_BACKOFF_S = 0.1
+
+
+class _Unreachable(Exception):
+    """No HTTP answer at all: refused, reset or timed out (after the retries)."""
+
+
+class _Failed(Exception):
+    """An answer that is an error or not a valid digest table."""
+
+
+@dataclass
+class FetchResult:
+    """What a fetch collected: the rows of the ranks that answered, and the ranks that did not.
+
+    ``frame`` is schema-valid (:func:`wcviz.frame.validate`) with an extra ``url`` column;
+    ``failed`` has :data:`FAILED_COLUMNS` with ``kind`` ``unreachable`` (no HTTP answer)
+    or ``failed`` (an error answer or a table that does not hold up); ``errors`` maps
+    those URLs to their message; ``infos`` maps each answering URL to its ``/v1/info``.
+    """
+
+    urls: tuple[str, ...]
+    frame: pd.DataFrame
+    failed: pd.DataFrame
+    errors: dict[str, str] = field(default_factory=dict)
+    infos: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    @property
+    def answered(self) -> int:
+        """How many ranks were collected."""
+        return len(self.urls) - len(self.errors)
+
+    @property
+    def complete(self) -> bool:
+        """True only when every URL given was collected (and at least one was given)."""
+        return bool(self.urls) and not self.errors
+
+    @property
+    def summary(self) -> str:
+        """One line: ``3 of 4 ranks answered; 1 unreachable: URL (why)``."""
+        parts = [f"{self.answered} of {len(self.urls)} ranks answered"]
+        for kind in ("unreachable", "failed"):
+            rows = self.failed[self.failed["kind"] == kind]
+            if len(rows):
+                listed = ", ".join(f"{r.url} ({r.error})" for r in rows.itertuples())
+                parts.append(f"{len(rows)} {kind}: {listed}")
+        return "; ".join(parts)
+
+    def __str__(self) -> str:
+        return self.summary
+
+
+def _short(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__} {text}" if text else type(exc).__name__
+
+
+def _message(resp: httpx.Response) -> str:
+    try:
+        body = resp.json()
+        if isinstance(body, dict) and "error" in body:
+            return str(body["error"])
+    except ValueError:
+        pass
+    return resp.text[:200] or resp.reason_phrase
+
+
+async def _get(client: httpx.AsyncClient, url: str, params: Mapping[str, str], timeout_s: float, retries: int) -> Any:
+    """GET a JSON body; retry connection errors, timeouts and 5xx with a small backoff."""
+    last: BaseException | None = None
+    for attempt in range(retries + 1):
+        if attempt:
+            await asyncio.sleep(_BACKOFF_S * 2 ** (attempt - 1))
+        try:
+            # wait_for too: a transport without timeouts (ASGITransport) must not hang a rank
+            resp = await asyncio.wait_for(client.get(url, params=params, timeout=timeout_s), timeout_s)
+        except (httpx.TransportError, asyncio.TimeoutError) as e:
+            last = _Unreachable(_short(e) if not isinstance(e, asyncio.TimeoutError) else f"timed out after {timeout_s} s")
+            continue
+        if resp.status_code >= 500:
+            last = _Failed(f"HTTP {resp.status_code}: {_message(resp)}")
+            continue
+        if resp.status_code != 200:
+            raise _Failed(f"HTTP {resp.status_code}: {_message(resp)}")
+        try:
+            return resp.json()
+        except ValueError:
+            raise _Failed(f"{url} did not answer JSON") from None
+    assert last is not None
+    raise last
+
+
+def _identity(info: Any) -> dict[str, Any]:
+    """The rank identity an agent claims, checked."""
+    if not isinstance(info, dict) or not isinstance(info.get("role"), str) or not isinstance(info.get("rank"), int):
+        raise _Failed(f"/v1/info is not an agent's info (needs role and rank): {str(info)[:200]}")
+    for k in ("dp", "pp", "tp", "ep"):
+        if info.get(k) is not None and not isinstance(info[k], int):
+            raise _Failed(f"/v1/info has a non-integer {k}: {info[k]!r}")
+    return {k: info.get(k) for k in ("role", "rank", "dp", "pp", "tp", "ep", "host")}
+
+
+async def _fetch_one(
+    client: httpx.AsyncClient, url: str, name: str | None, timeout_s: float, retries: int, known: dict[str, Any]
+) -> tuple[dict[str, Any], pd.DataFrame]:
+    """Info, then digests, of one agent; the rows must carry the identity the info claimed."""
+    info = await _get(client, f"{url}/v1/info", {}, timeout_s, retries)
+    ident = _identity(info)
+    known.update(ident)
+    body = await _get(client, f"{url}/v1/digests", {"name": name} if name is not None else {}, timeout_s, retries)
+    rows = body.get("rows") if isinstance(body, dict) else None
+    if not isinstance(rows, list):
+        raise _Failed("/v1/digests did not answer {'rows': [...]}")
+    try:
+        frame = make_frame(rows)
+    except TableError as e:
+        raise _Failed(f"/v1/digests is not a digest table: {e}") from None
+    if name is None and isinstance(info.get("params"), int) and len(frame) != info["params"]:
+        raise _Failed(f"/v1/info counts {info['params']} parameters but /v1/digests gave {len(frame)} rows")
+    for k in _KEY:
+        want = ident[k]
+        col = frame[k]
+        wrong = col.notna() if want is None else (col.isna() | (col != want))
+        if bool(wrong.any()):
+            raise _Failed(f"/v1/digests rows claim {k}={col[wrong].iloc[0]!r} but /v1/info says {k}={want!r}")
+    frame["url"] = url
+    return info, frame
+
+
+def _normalize(urls: Iterable[str]) -> tuple[str, ...]:
+    if isinstance(urls, str):
+        urls = [urls]
+    out = tuple(str(u).rstrip("/") for u in urls)
+    seen: set[str] = set()
+    for u in out:
+        if u in seen:
+            raise ValueError(f"URL {u} is given twice; each rank must be fetched once")
+        seen.add(u)
+    return out
+
+
+async def fetch_agents(
+    urls: Sequence[str] | str,
+    *,
+    client: httpx.AsyncClient | None = None,
+    transport: httpx.AsyncBaseTransport | None = None,
+    timeout_s: float = 10.0,
+    retries: int = 2,
+    name: str | None = None,
+) -> FetchResult:
+    """Collect the digest tables of the agents at ``urls``, concurrently.
+
+    ``client`` (kept open) or ``transport`` choose how to reach them (e.g.
+    ``httpx.ASGITransport(app=agent.app)``); ``timeout_s`` bounds each request, which is
+    retried ``retries`` times on connection errors, timeouts and 5xx. ``name`` is a regex
+    the agents filter parameter names by. Never raises for a rank that fails: see
+    :class:`FetchResult`.
+    """
+    if retries < 0 or timeout_s <= 0:
+        raise ValueError("retries must be >= 0 and timeout_s > 0")
+    if client is not None and transport is not None:
+        raise ValueError("give client or transport, not both")
+    targets = _normalize(urls)
+    own = client is None
+    http = client if client is not None else httpx.AsyncClient(transport=transport, timeout=timeout_s)
+    knowns: list[dict[str, Any]] = [{} for _ in targets]
+    try:
+        outcomes = await asyncio.gather(
+            *(_fetch_one(http, u, name, timeout_s, retries, k) for u, k in zip(targets, knowns)), return_exceptions=True
+        )
+    finally:
+        if own:
+            await http.aclose()
+
+    failed: list[dict[str, Any]] = []
+    collected: dict[tuple[Any, ...], list[tuple[str, dict[str, Any], dict[str, Any], pd.DataFrame]]] = {}
+    for url, known, outcome in zip(targets, knowns, outcomes):
+        if isinstance(outcome, BaseException):
+            if not isinstance(outcome, Exception):  # cancellation, KeyboardInterrupt: not ours to swallow
+                raise outcome
+            kind = "unreachable" if isinstance(outcome, _Unreachable) else "failed"
+            message = str(outcome) if isinstance(outcome, (_Unreachable, _Failed)) else _short(outcome)
+            failed.append({"url": url, "kind": kind, "error": message, **known})
+        else:
+            collected.setdefault(tuple(known.get(k) for k in _KEY), []).append((url, known, *outcome))
+
+    frames: list[pd.DataFrame] = []
+    infos: dict[str, dict[str, Any]] = {}
+    for key, claims in collected.items():
+        if len(claims) > 1:  # two URLs claiming one rank: neither can be trusted to be that rank
+            rank = ", ".join(f"{k}={v}" for k, v in zip(_KEY, key) if v is not None)
+            for url, known, _, _ in claims:
+                others = ", ".join(u for u, *_ in claims if u != url)
+                failed.append({"url": url, "kind": "failed", "error": f"claims the same rank ({rank}) as {others}", **known})
+            continue
+        url, _, info, frame = claims[0]
+        infos[url] = info
+        frames.append(frame)
+
+    errors = {row["url"]: row["error"] for row in failed}
+    non_empty = [f for f in frames if len(f)]
+    if non_empty:  # ordered by rank identity, so the table does not depend on the order of the URLs
+        frame = pd.concat(non_empty, ignore_index=True).sort_values(list(_KEY), kind="stable", na_position="last")
+        frame = validate(frame.reset_index(drop=True), source="agents")
+    else:
+        frame = make_frame([])
+        frame["url"] = pd.Series(dtype="string")
+    frame["url"] = frame["url"].astype("string")
+    order = {u: i for i, u in enumerate(targets)}
+    failed_frame = pd.DataFrame(
+        sorted(({c: row.get(c) for c in FAILED_COLUMNS} for row in failed), key=lambda r: order[r["url"]]),
+        columns=list(FAILED_COLUMNS),
+    )
+    for c in FAILED_COLUMNS:
+        failed_frame[c] = failed_frame[c].astype("Int64" if c in IDENTITY else "string")
+    return FetchResult(urls=targets, frame=frame, failed=failed_frame, errors=errors, infos=infos)
+
+
+def fetch(urls: Sequence[str] | str, **kwargs: Any) -> FetchResult:
+    """Blocking :func:`fetch_agents` (same arguments), for scripts and the CLI."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(fetch_agents(urls, **kwargs))
+    raise RuntimeError("fetch() was called inside a running event loop; use 'await fetch_agents(...)' there instead")
