@@ -129,8 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"(exit status {rc}: 1 means something differs)")
 
     print("\n# refit: trainer -> engine process over shared memory + ZMQ, verify: log", flush=True)
-    bad = refit_demo()
-    return 0 if rc == 1 and bad == 1 else 1
+    broken = refit_demo()
+    return 0 if rc == 1 and broken == 1 else 1
 
 
 if __name__ == "__main__":

@@ -238,7 +238,7 @@ async def fetch_agents(
     frame["url"] = frame["url"].astype("string")
     order = {u: i for i, u in enumerate(targets)}
     failed_frame = pd.DataFrame(
-        sorted(({c: row.get(c) for c in FAILED_COLUMNS} for row in failed), key=lambda r: order[r["url"]]),
+        sorted(({c: row.get(c) for c in FAILED_COLUMNS} for row in failed), key=lambda r: order[str(r["url"])]),
         columns=list(FAILED_COLUMNS),
     )
     for c in FAILED_COLUMNS:
