@@ -1,0 +1,355 @@
+"""The end-state check: poison, coverage, classification, summary and orchestration."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pandas as pd
+import pytest
+import torch
+
+from wcviz._errors import AlgorithmMismatch, TableError, WcvizError
+from wcviz.endstate import (
+    ENDSTATE_STATUSES,
+    EngineLeftPoisoned,
+    ResetNotCovered,
+    classify,
+    poison_,
+    reset_coverage,
+    run_check,
+    summary,
+)
+from wcviz.sources._tensors import from_named_tensors
+
+COORDS = [(pp, tp) for pp in (0, 1) for tp in (0, 1)]  # rank = 2 * pp + tp
+
+
+def _shard(pp: int, tp: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 * pp + tp)
+    return {
+        f"model.layers.{pp}.self_attn.q_proj.weight": torch.randn(4, 8, generator=g),
+        f"model.layers.{pp}.mlp.down_proj.weight": torch.randn(8, 4, generator=g).to(torch.bfloat16),
+        f"model.layers.{pp}.input_layernorm.weight": torch.ones(8),
+        f"model.layers.{pp}.mlp.bias": torch.zeros(8),  # all-zero still must be poisoned
+    }
+
+
+class Engine:
+    """Four in-process shards that a 'trainer' (``truth``) can reload, with fault hooks."""
+
+    def __init__(self) -> None:
+        self.truth = {c: _shard(*c) for c in COORDS}
+        self.shards = {c: {n: t.clone() for n, t in d.items()} for c, d in self.truth.items()}
+        self.skip: dict[tuple[int, int], set[str]] = {}
+        self.reload_error: Exception | None = None
+        self.reset_error: Exception | None = None
+        self.reloads = 0
+
+    def snapshot(self) -> None:
+        pass
+
+    def reset(self) -> None:
+        if self.reset_error:
+            raise self.reset_error
+        for d in self.shards.values():
+            poison_(d)
+
+    def reload(self) -> None:
+        self.reloads += 1
+        if self.reload_error:
+            raise self.reload_error
+        for c, d in self.shards.items():
+            for n, t in d.items():
+                if n not in self.skip.get(c, set()):
+                    t.copy_(self.truth[c][n])
+
+    def digest(self, phase: str, shards: dict | None = None) -> pd.DataFrame:
+        shards = self.shards if shards is None else shards
+        frames = [_digest_rank(phase, pp, tp, _content(d)) for (pp, tp), d in shards.items()]
+        return pd.concat(frames, ignore_index=True)
+
+
+def _content(d: dict[str, torch.Tensor]) -> tuple:
+    """A hashable copy of a shard's names, dtypes, shapes and bytes (a digest cache key)."""
+    return tuple((n, t.dtype, tuple(t.shape), t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()) for n, t in d.items())
+
+
+_CACHE: dict[tuple, pd.DataFrame] = {}
+
+
+def _digest_rank(phase: str, pp: int, tp: int, content: tuple) -> pd.DataFrame:
+    """``from_named_tensors`` of one rank, cached by content: the same bytes digest the same."""
+    key = (phase, pp, tp, content)
+    if key not in _CACHE:
+        tensors = {n: torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dt).reshape(shape) if raw else torch.empty(shape, dtype=dt)
+                   for n, dt, shape, raw in content}
+        _CACHE[key] = from_named_tensors(tensors, role="engine", rank=2 * pp + tp, pp=pp, tp=tp, phase=phase, backend="torch")
+    return _CACHE[key].copy()
+
+
+def _phases(engine: Engine, between: Callable[[Engine], None] | None = None) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+    snap = engine.digest("snapshot")
+    engine.reset()
+    reset = engine.digest("reset")
+    engine.reload()
+    if between:
+        between(engine)
+    return snap, reset, engine.digest("reload")
+
+
+def _bad(v: pd.DataFrame) -> set[tuple[int, str, str]]:
+    rows = v[v["status"] != "match"]
+    return {(int(r["rank"]), r["name"], r["status"]) for _, r in rows.iterrows()}
+
+
+def test_clean_reload_all_match():
+    v = classify(*_phases(Engine()))
+    assert len(v) == 16 and set(v["status"]) == {"match"}
+    assert v["reset_covered"].all() and not v["rank_absent"].any()
+    assert (v["digest_reset"] != v["digest_snapshot"]).all()
+    assert list(v.columns[:6]) == ["rank", "dp", "pp", "tp", "ep", "name"]
+
+
+def test_skipped_params_are_unwritten_on_that_rank_only():
+    e = Engine()
+    names = sorted(e.truth[(1, 0)])[:2]
+    e.skip[(1, 0)] = set(names)
+    v = classify(*_phases(e))
+    assert _bad(v) == {(2, n, "unwritten") for n in names}
+    assert list(v["status"][:2]) == ["unwritten", "unwritten"]  # most severe first
+
+
+def test_wrong_values_are_corrupted():
+    def swap(e: Engine) -> None:  # rank 1 got rank 0's slice of the same layer
+        name = "model.layers.0.self_attn.q_proj.weight"
+        e.shards[(0, 1)][name].copy_(e.truth[(0, 0)][name])
+
+    v = classify(*_phases(Engine(), swap))
+    assert _bad(v) == {(1, "model.layers.0.self_attn.q_proj.weight", "corrupted")}
+    assert v.iloc[0]["status"] == "corrupted"
+
+
+def test_dropped_param_missing_and_new_param_unexpected():
+    def change(e: Engine) -> None:
+        del e.shards[(1, 1)]["model.layers.1.mlp.bias"]
+        e.shards[(0, 0)]["model.layers.0.extra.weight"] = torch.ones(2)
+
+    v = classify(*_phases(Engine(), change))
+    assert _bad(v) == {(3, "model.layers.1.mlp.bias", "missing"), (0, "model.layers.0.extra.weight", "unexpected")}
+    new = v[v["status"] == "unexpected"].iloc[0]
+    assert pd.isna(new["digest_snapshot"]) and not new["reset_covered"] and new["dtype"] == "float32"
+
+
+def test_absent_rank_is_all_missing_and_named():
+    e = Engine()
+    snap, reset, reload = _phases(e)
+    reload = reload[reload["rank"] != 3]
+    v = classify(snap, reset, reload)
+    assert _bad(v) == {(3, n, "missing") for n in e.truth[(1, 1)]}
+    assert v.loc[v["rank"] == 3, "rank_absent"].all() and not v.loc[v["rank"] != 3, "rank_absent"].any()
+    assert "4 missing on 1 rank (rank 3 (pp=1 tp=1): rank absent after reload)" in summary(v)
+
+
+def test_row_and_rank_order_do_not_matter():
+    e = Engine()
+    e.skip[(0, 1)] = {"model.layers.0.mlp.bias"}
+    snap, reset, reload = _phases(e)
+    expected = classify(snap, reset, reload)
+    # ranks listed in another order, rows shuffled within each phase
+    shuffled = [df.sample(frac=1, random_state=i).reset_index(drop=True) for i, df in enumerate((snap, reset, reload))]
+    got = classify(*shuffled)
+    pd.testing.assert_frame_equal(got, expected)
+    reordered = e.digest("reload", dict(reversed(list(e.shards.items()))))
+    assert reordered["rank"].iloc[0] == 3
+    pd.testing.assert_frame_equal(classify(snap, reset, reordered), expected)
+    assert _bad(got) == {(1, "model.layers.0.mlp.bias", "unwritten")}
+
+
+def test_poison_changes_every_nonempty_tensor_of_every_dtype():
+    base = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    tensors = {
+        "bool_false": torch.zeros(5, dtype=torch.bool),
+        "bool_true": torch.ones(5, dtype=torch.bool),
+        "uint8": torch.zeros(3, dtype=torch.uint8),
+        "bf16": torch.randn(4, 4).to(torch.bfloat16),
+        "fp32_zeros": torch.zeros(7),
+        "int64": torch.arange(6),
+        "fp8": torch.randn(3, 3).to(torch.float8_e4m3fn),
+        "scalar": torch.tensor(0.0),
+        "scalar_int": torch.tensor(3),
+        "strided": base[:, ::2],
+        "empty": torch.empty(0, 4),
+    }
+    before = from_named_tensors(tensors, backend="torch").set_index("name")["digest"]
+    untouched = base[:, 1::2].clone()
+    poison_(tensors)
+    after = from_named_tensors(tensors, backend="torch").set_index("name")["digest"]
+    changed = before != after
+    assert changed.drop("empty").all(), list(changed[~changed].index)
+    assert not changed["empty"]
+    assert torch.equal(base[:, 1::2], untouched)  # a view poisons only its own elements
+    assert tensors["fp32_zeros"].isfinite().all() and tensors["bf16"].float().isfinite().all()
+    for name, t in tensors.items():  # every byte is the one deterministic pattern
+        if t.numel():
+            raw = t.contiguous().reshape(-1).view(torch.uint8)
+            assert (raw == 0xA5).all(), name
+
+
+def test_poison_module_parameters():
+    m = torch.nn.Linear(3, 2)
+    m.register_buffer("scale", torch.ones(2))
+    poison_(m)
+    assert (m.weight.detach().view(torch.uint8) == 0xA5).all() and (m.bias.detach().view(torch.uint8) == 0xA5).all()
+    assert torch.equal(m.scale, torch.ones(2))  # buffers only when asked
+    poison_(m, include_buffers=True)
+    assert (m.scale.view(torch.uint8) == 0xA5).all()
+
+
+def _reset_misses(e: Engine, coord: tuple[int, int], name: str) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+    snap = e.digest("snapshot")
+    keep = e.shards[coord][name].clone()
+    e.reset()
+    e.shards[coord][name].copy_(keep)  # the reset did not reach it
+    reset = e.digest("reset")
+    e.reload()
+    return snap, reset, e.digest("reload")
+
+
+def test_reset_coverage_failure_names_param_and_rank():
+    e = Engine()
+    e.shards[(0, 0)]["model.layers.0.empty"] = torch.empty(0)
+    e.truth[(0, 0)]["model.layers.0.empty"] = torch.empty(0)
+    name = "model.layers.1.input_layernorm.weight"
+    snap, reset, reload = _reset_misses(e, (1, 0), name)
+    cov = reset_coverage(snap, reset)
+    assert len(cov) == 17
+    assert set(cov.loc[~cov["covered"], "name"]) == {name, "model.layers.0.empty"}
+    assert bool(cov.loc[cov["name"] == "model.layers.0.empty", "empty"].iloc[0])
+    with pytest.raises(ResetNotCovered) as info:
+        classify(snap, reset, reload)
+    msg = str(info.value)
+    assert f"{name} on rank 2 (pp=1 tp=0)" in msg and "15 of 16" in msg and "void" in msg
+    assert "empty" in msg and "model.layers.0.empty" in msg
+    assert isinstance(info.value, WcvizError) and isinstance(info.value, RuntimeError)
+    assert len(info.value.coverage) == 17
+
+
+def test_empty_tensor_alone_does_not_void_the_check():
+    e = Engine()
+    e.shards[(0, 0)]["model.layers.0.empty"] = torch.empty(0)
+    e.truth[(0, 0)]["model.layers.0.empty"] = torch.empty(0)
+    v = classify(*_phases(e))
+    row = v[v["name"] == "model.layers.0.empty"].iloc[0]
+    assert row["status"] == "match" and not row["reset_covered"]
+    assert "1 not covered by the reset" in summary(v)
+
+
+def test_allow_partial_reset_classifies_and_flags():
+    name = "model.layers.1.input_layernorm.weight"
+    snap, reset, reload = _reset_misses(Engine(), (1, 0), name)
+    v = classify(snap, reset, reload, allow_partial_reset=True)
+    assert set(v["status"]) == {"match"}
+    flagged = v.loc[~v["reset_covered"], ["rank", "name"]].to_records(index=False).tolist()
+    assert flagged == [(2, name)]
+
+
+def test_param_absent_after_reset_is_not_covered():
+    e = Engine()
+    snap, reset, reload = _phases(e)
+    reset = reset[~((reset["rank"] == 1) & (reset["name"] == "model.layers.0.mlp.bias"))]
+    with pytest.raises(ResetNotCovered, match=r"model\.layers\.0\.mlp\.bias on rank 1 .*absent after reset"):
+        classify(snap, reset, reload)
+
+
+def test_algorithm_mismatch():
+    snap, reset, reload = _phases(Engine())
+    other = reload.assign(algo="sha256", digest=reload["digest"].str.pad(64, fillchar="0"))
+    with pytest.raises(AlgorithmMismatch, match="sha256"):
+        classify(snap, reset, other)
+    mixed = pd.concat([reset.iloc[:1].assign(algo="sha256"), reset.iloc[1:]], ignore_index=True)
+    with pytest.raises(AlgorithmMismatch, match="reset table mixes"):
+        classify(snap, mixed, reload)
+
+
+def test_duplicates_are_refused_naming_the_key():
+    snap, reset, reload = _phases(Engine())
+    dup = pd.concat([reload, reload.iloc[[5]]], ignore_index=True)
+    name = reload.iloc[5]["name"]
+    with pytest.raises(TableError, match=rf"reload table .*{name}"):
+        classify(snap, reset, dup)
+    with pytest.raises(TableError, match="snapshot table"):
+        reset_coverage(pd.concat([snap, snap.iloc[[0]]]), reset)
+
+
+def test_different_coordinates_are_refused():
+    snap, reset, reload = _phases(Engine())
+    with pytest.raises(TableError, match="coordinates"):
+        classify(snap, reset, reload.assign(pp=pd.NA))
+
+
+def test_summary_text():
+    e = Engine()
+    e.skip[(0, 1)] = {"model.layers.0.mlp.bias"}
+    e.skip[(1, 1)] = {"model.layers.1.mlp.bias", "model.layers.1.input_layernorm.weight"}
+    v = classify(*_phases(e))
+    assert summary(v) == (
+        "end-state check: 4 ranks, 16 parameters: 3 unwritten on 2 ranks "
+        "(rank 1 (pp=0 tp=1), rank 3 (pp=1 tp=1)), 13 match"
+    )
+    assert summary(classify(*_phases(Engine()))) == "end-state check: 4 ranks, 16 parameters: 16 match"
+    assert tuple(ENDSTATE_STATUSES) == ("corrupted", "unwritten", "missing", "unexpected", "match")
+
+
+def test_summary_thousands_separator():
+    rows = pd.DataFrame({"rank": [0] * 1500, "dp": pd.NA, "pp": pd.NA, "tp": pd.NA, "ep": pd.NA,
+                         "name": [f"p{i}" for i in range(1500)], "status": ["match"] * 1500,
+                         "reset_covered": True, "rank_absent": False})
+    assert summary(rows) == "end-state check: 1 rank, 1,500 parameters: 1,500 match"
+
+
+def test_run_check_happy_path_and_fault():
+    e = Engine()
+    calls: list[str] = []
+
+    def digest(phase: str) -> pd.DataFrame:
+        calls.append(phase)
+        return e.digest(phase)
+
+    v = run_check(e.snapshot, e.reset, e.reload, digest)
+    assert calls == ["snapshot", "reset", "reload"]
+    assert len(v) == 16 and set(v["status"]) == {"match"}
+    e.skip[(1, 0)] = {"model.layers.1.mlp.down_proj.weight"}
+    v = run_check(e.snapshot, e.reset, e.reload, digest)
+    assert _bad(v) == {(2, "model.layers.1.mlp.down_proj.weight", "unwritten")}
+
+
+def test_run_check_failing_reload_says_poisoned():
+    e = Engine()
+    e.reload_error = ConnectionError("rank 2 unreachable")
+    with pytest.raises(EngineLeftPoisoned, match="poisoned") as info:
+        run_check(e.snapshot, e.reset, e.reload, e.digest)
+    assert "rank 2 unreachable" in str(info.value) and "ConnectionError" in str(info.value)
+    assert (e.shards[(0, 0)]["model.layers.0.mlp.bias"].view(torch.uint8) == 0xA5).all()
+
+
+def test_run_check_failing_reset_restores_then_reraises():
+    e = Engine()
+    e.reset_error = RuntimeError("reset endpoint 500")
+    with pytest.raises(RuntimeError, match="reset endpoint 500"):
+        run_check(e.snapshot, e.reset, e.reload, e.digest)
+    assert e.reloads == 1
+    e.reload_error = OSError("down")
+    with pytest.raises(EngineLeftPoisoned, match="poisoned.*|.*reset endpoint 500"):
+        run_check(e.snapshot, e.reset, e.reload, e.digest)
+
+
+def test_run_check_uncovered_reset_reloads_before_raising():
+    e = Engine()
+
+    def partial_reset() -> None:
+        for c, d in e.shards.items():
+            poison_({n: t for n, t in d.items() if not (c == (0, 1) and n.endswith("bias"))})
+
+    with pytest.raises(ResetNotCovered, match=r"model\.layers\.0\.mlp\.bias on rank 1"):
+        run_check(e.snapshot, partial_reset, e.reload, e.digest)
+    assert e.reloads == 1 and torch.equal(e.shards[(1, 1)]["model.layers.1.self_attn.q_proj.weight"], e.truth[(1, 1)]["model.layers.1.self_attn.q_proj.weight"])

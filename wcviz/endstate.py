@@ -1,0 +1,356 @@
+"""The end-state check: prove, rank by rank, that a reload writes every weight back.
+
+As SGLang's weight checker, NeMo-RL's value check and slime's
+``--check-weight-update-equal`` do it, for every engine rank:
+
+1. **snapshot** - digest what the rank holds (phase ``snapshot``);
+2. **reset** - overwrite every parameter with a poison pattern (:func:`poison_`) and
+   digest again (phase ``reset``). The check is void unless every covered parameter
+   changed (:func:`reset_coverage`, :class:`ResetNotCovered`): a parameter the poison
+   did not change cannot show whether the update wrote it;
+3. **reload** - run the weight update again and digest (phase ``reload``);
+4. **classify** - compare reload with snapshot per (rank, parameter), see
+   :data:`ENDSTATE_STATUSES`.
+
+Statuses, most severe first:
+
+- ``corrupted``   the reload holds a third value: neither the snapshot nor the poison;
+- ``unwritten``   the reload still holds the poison: the update never wrote it;
+- ``missing``     in the snapshot, absent after the reload;
+- ``unexpected``  present after the reload, absent from the snapshot;
+- ``match``       the reload holds what the snapshot held.
+
+Ranks are matched by their coordinates (:data:`wcviz.frame.IDENTITY`), never by row
+order. Nothing here fetches: :func:`classify` reads frames, :func:`run_check` drives
+callables (agents, in-process shards) that the caller supplies.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import pandas as pd
+
+from wcviz._errors import AlgorithmMismatch, TableError, WcvizError
+from wcviz.frame import IDENTITY, validate
+from wcviz.verdicts import _check_unique
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "ENDSTATE_STATUSES",
+    "PHASES",
+    "POISON_BYTE",
+    "ResetNotCovered",
+    "EngineLeftPoisoned",
+    "poison_",
+    "reset_coverage",
+    "classify",
+    "summary",
+    "run_check",
+]
+
+ENDSTATE_STATUSES = ("corrupted", "unwritten", "missing", "unexpected", "match")  # most severe first
+PHASES = ("snapshot", "reset", "reload")
+POISON_BYTE = 0xA5  # 1010_0101: no float8/16/32/64 NaN, no common init value, never all-zero
+
+_KEYS = [*IDENTITY, "name"]
+_SHOWN = 8  # ranks / parameters an error or summary names before "+N more"
+
+
+class ResetNotCovered(WcvizError, RuntimeError):
+    """The reset left some parameters unchanged, so the end-state check is void.
+
+    ``coverage`` is the :func:`reset_coverage` frame the verdict was drawn from.
+    """
+
+    def __init__(self, message: str, coverage: pd.DataFrame) -> None:
+        super().__init__(message)
+        self.coverage = coverage
+
+
+class EngineLeftPoisoned(WcvizError, RuntimeError):
+    """The reload (or restoring after a failed reset) failed: the engine still holds poison."""
+
+
+# --------------------------------------------------------------------------- poison
+
+
+def _named(tensors: Any, include_buffers: bool) -> list[tuple[str, torch.Tensor]]:
+    import torch
+
+    if isinstance(tensors, torch.nn.Module):
+        named: list[tuple[str, torch.Tensor]] = list(tensors.named_parameters(remove_duplicate=False))
+        if include_buffers:
+            named += list(tensors.named_buffers(remove_duplicate=False))
+        return named
+    if isinstance(tensors, Mapping):
+        return list(tensors.items())
+    if isinstance(tensors, Iterable):
+        return list(tensors)
+    raise TypeError(f"poison_ expects a module, a mapping of name -> tensor or (name, tensor) pairs, got {type(tensors).__name__}")
+
+
+def poison_(
+    tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]] | torch.nn.Module,
+    *,
+    include_buffers: bool = False,
+) -> None:
+    """Overwrite every byte of every tensor, in place, with :data:`POISON_BYTE`.
+
+    Works on bytes (each tensor is viewed as a same-width integer), so every dtype
+    is poisoned alike - bool, float8, bf16, 0-d, all-zero, strided views - and the
+    pattern is deterministic, finite for every float format and unlike any trained
+    or initialised weight. Poisoned values are not meant to be computed with (a
+    bool holds byte 0xA5). Empty tensors hold no bytes and cannot change: the
+    reset does not *cover* them (:func:`reset_coverage` lists them apart). A
+    module's buffers are left alone unless ``include_buffers``: a weight update
+    usually does not resend them. A tensor that already holds only 0xA5 bytes does
+    not change either; the coverage check reports it.
+    """
+    import torch
+
+    widths = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    with torch.no_grad():
+        for name, t in _named(tensors, include_buffers):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name}: expected a tensor, got {type(t).__name__}")
+            if t.numel() == 0:
+                continue
+            w = t.detach()
+            if w.is_quantized or w.is_sparse or w.device.type == "meta":
+                raise TypeError(f"{name}: cannot poison a {'quantized' if w.is_quantized else 'sparse' if w.is_sparse else 'meta'} tensor in place")
+            if w.is_complex() and w.element_size() == 16:
+                w = torch.view_as_real(w)
+            width = widths.get(w.element_size())
+            if width is None:
+                raise TypeError(f"{name}: dtype {t.dtype} has {w.element_size()} bytes per element, which poison_ cannot fill")
+            if w.dtype != width:
+                w = w.view(width)
+            n = w.element_size()
+            w.fill_(POISON_BYTE if n == 1 else int.from_bytes(bytes([POISON_BYTE]) * n, "little", signed=True))
+
+
+# --------------------------------------------------------------------------- frames
+
+
+def _rank_label(row: Mapping[str, Any]) -> str:
+    """``rank 3 (pp=0 tp=1)``, ``pp=0 tp=1`` or ``rank 3``: the coordinates a row has."""
+    coords = " ".join(f"{c}={int(row[c])}" for c in IDENTITY[1:] if not pd.isna(row[c]))
+    if pd.isna(row["rank"]):
+        return coords or "(no rank coordinates)"
+    return f"rank {int(row['rank'])}" + (f" ({coords})" if coords else "")
+
+
+def _listing(items: list[str]) -> str:
+    more = len(items) - _SHOWN
+    return ", ".join(items[:_SHOWN]) + (f", +{more} more" if more > 0 else "")
+
+
+def _empty_tensor(nbytes: pd.Series, shape: pd.Series) -> pd.Series:
+    """Rows of tensors without bytes: by ``nbytes``, else by a zero in ``shape``."""
+
+    def zero_dim(s: Any) -> bool:
+        if pd.isna(s):
+            return False
+        try:
+            return math.prod(json.loads(str(s))) == 0
+        except (ValueError, TypeError):
+            return False
+
+    by_shape = shape.map(zero_dim).astype(bool)
+    return (nbytes == 0).fillna(by_shape).astype(bool)
+
+
+def _prepare(frames: Mapping[str, pd.DataFrame]) -> dict[str, pd.DataFrame]:
+    """Validate each phase's frame; one algorithm, one coordinate system, unique keys."""
+    out = {phase: validate(df, phase) for phase, df in frames.items()}
+    algos: dict[str, str] = {}
+    for phase, df in out.items():
+        found = sorted(df["algo"].dropna().unique())
+        if len(found) > 1:
+            raise AlgorithmMismatch(f"{phase} table mixes digest algorithms: {', '.join(found)}")
+        if found:
+            algos[phase] = found[0]
+    if len(set(algos.values())) > 1:
+        raise AlgorithmMismatch("end-state tables use different digest algorithms: " + ", ".join(f"{p} {a}" for p, a in algos.items()))
+    used = {phase: [c for c in IDENTITY if df[c].notna().any()] for phase, df in out.items() if len(df)}
+    if len({tuple(u) for u in used.values()}) > 1:
+        raise TableError(
+            "end-state tables locate ranks by different coordinates: "
+            + "; ".join(f"{p} by ({', '.join(u) or 'nothing'})" for p, u in used.items())
+            + ": digest every phase with the same rank fields"
+        )
+    for phase, df in out.items():
+        _check_unique(df, _KEYS, phase)
+    return out
+
+
+def _coverage(snap: pd.DataFrame, reset: pd.DataFrame) -> pd.DataFrame:
+    left = snap[_KEYS + ["digest", "nbytes", "shape"]]
+    m = left.merge(reset[_KEYS + ["digest"]], on=_KEYS, how="left", suffixes=("_snapshot", "_reset"))
+    out = m[_KEYS].copy()
+    out["digest_snapshot"] = m["digest_snapshot"]
+    out["digest_reset"] = m["digest_reset"]
+    out["empty"] = _empty_tensor(m["nbytes"], m["shape"])
+    changed = m["digest_reset"].notna() & (m["digest_snapshot"].str.lower() != m["digest_reset"].str.lower())
+    out["changed"] = changed.fillna(False).astype(bool)
+    out["covered"] = out["changed"] & ~out["empty"]
+    return out.sort_values(_KEYS, na_position="first", kind="stable").reset_index(drop=True)
+
+
+def reset_coverage(snapshot: pd.DataFrame, reset: pd.DataFrame) -> pd.DataFrame:
+    """Per (rank identity, name) of the snapshot: did the reset change it?
+
+    Columns: identity, ``name``, ``digest_snapshot``, ``digest_reset`` (NA if the
+    parameter was absent after the reset), ``empty`` (no bytes: cannot change),
+    ``changed`` and ``covered`` (changed and not empty). The check needs every
+    non-empty parameter ``covered``; empty tensors are never covered.
+    """
+    p = _prepare({"snapshot": snapshot, "reset": reset})
+    return _coverage(p["snapshot"], p["reset"])
+
+
+def _raise_if_uncovered(cov: pd.DataFrame) -> None:
+    bad = cov[~cov["covered"] & ~cov["empty"]]
+    if not len(bad):
+        return
+    where = [f"{r['name']} on {_rank_label(r)}" + (" (absent after reset)" if pd.isna(r["digest_reset"]) else "") for _, r in bad.iterrows()]
+    ranks = bad[list(IDENTITY)].drop_duplicates()
+    nonempty = int((~cov["empty"]).sum())
+    msg = (
+        f"reset changed only {nonempty - len(bad):,} of {nonempty:,} parameters; the end-state check is void: "
+        f"{len(bad):,} unchanged on {len(ranks)} rank{'s' if len(ranks) != 1 else ''}: {_listing(where)}"
+    )
+    empty = cov[cov["empty"]]
+    if len(empty):
+        msg += f"; {len(empty):,} empty tensor(s) are not covered either: " + _listing([f"{r['name']} on {_rank_label(r)}" for _, r in empty.iterrows()])
+    raise ResetNotCovered(msg, cov)
+
+
+def classify(
+    snapshot: pd.DataFrame,
+    reset: pd.DataFrame,
+    reload: pd.DataFrame,
+    *,
+    allow_partial_reset: bool = False,
+) -> pd.DataFrame:
+    """One end-state verdict per (rank identity, name), most severe first.
+
+    Columns: identity, ``name``, ``status`` (:data:`ENDSTATE_STATUSES`), ``algo``,
+    ``digest_snapshot``, ``digest_reset``, ``digest_reload``, ``dtype``, ``shape``,
+    ``nbytes`` (the snapshot's, else the reload's), ``dtype_reload``,
+    ``shape_reload``, ``layer``, ``block``, ``expert``, ``reset_covered`` and
+    ``rank_absent`` (the rank has no rows at all after the reload). Raises
+    :class:`ResetNotCovered` if the reset left a non-empty parameter unchanged,
+    unless ``allow_partial_reset`` (then ``reset_covered`` marks those rows False).
+    """
+    p = _prepare({"snapshot": snapshot, "reset": reset, "reload": reload})
+    snap, rst, rel = p["snapshot"], p["reset"], p["reload"]
+    cov = _coverage(snap, rst)
+    if not allow_partial_reset:
+        _raise_if_uncovered(cov)
+    extra = ["digest", "dtype", "shape", "nbytes", "layer", "block", "expert"]
+    m = snap[_KEYS + extra].merge(rel[_KEYS + extra], on=_KEYS, how="outer", suffixes=("_snapshot", "_reload"), indicator=True)
+    m = m.merge(rst[_KEYS + ["digest"]].rename(columns={"digest": "digest_reset"}), on=_KEYS, how="left")
+    m = m.merge(cov[_KEYS + ["covered"]], on=_KEYS, how="left")
+
+    s, r, z = (m[f"digest_{p}"].str.lower() for p in ("snapshot", "reset", "reload"))
+    both = m["_merge"] == "both"
+    status = pd.Series("missing", index=m.index, dtype="string")
+    status[m["_merge"] == "right_only"] = "unexpected"
+    same_snap = (z == s).fillna(False).astype(bool)
+    same_reset = (z == r).fillna(False).astype(bool)
+    status[both & ~same_snap & ~same_reset] = "corrupted"
+    status[both & ~same_snap & same_reset] = "unwritten"
+    status[both & same_snap] = "match"
+
+    out = m[_KEYS].copy()
+    out["status"] = status
+    algo = pd.concat([snap["algo"], rst["algo"], rel["algo"]]).dropna()
+    out["algo"] = pd.Series(algo.iloc[0] if len(algo) else pd.NA, index=m.index, dtype="string")
+    out["digest_snapshot"] = m["digest_snapshot"]
+    out["digest_reset"] = m["digest_reset"]
+    out["digest_reload"] = m["digest_reload"]
+    for col in ("dtype", "shape", "nbytes", "layer", "block", "expert"):
+        out[col] = m[f"{col}_snapshot"].fillna(m[f"{col}_reload"])
+    out["dtype_reload"] = m["dtype_reload"]
+    out["shape_reload"] = m["shape_reload"]
+    out["reset_covered"] = m["covered"].fillna(False).astype(bool)  # unexpected rows were never reset
+    reload_ranks = rel[list(IDENTITY)].drop_duplicates().assign(_present=True)
+    present = out[list(IDENTITY)].merge(reload_ranks, on=list(IDENTITY), how="left")["_present"]
+    out["rank_absent"] = present.isna().to_numpy()
+    order = out["status"].map({st: i for i, st in enumerate(ENDSTATE_STATUSES)}).astype(int)
+    out = out.assign(_o=order).sort_values(["_o", *IDENTITY, "name"], na_position="first", kind="stable")
+    return out.drop(columns="_o").reset_index(drop=True)
+
+
+def summary(verdicts: pd.DataFrame) -> str:
+    """One line: ranks, parameters, then each status that occurs with the ranks it is on.
+
+    ``end-state check: 4 ranks, 24 parameters: 3 unwritten on 1 rank (rank 1 (pp=0 tp=1)), 21 match``
+    """
+    ids = list(IDENTITY)
+    n_ranks = len(verdicts[ids].drop_duplicates())
+    parts = []
+    for st in ENDSTATE_STATUSES:
+        rows = verdicts[verdicts["status"] == st]
+        if not len(rows):
+            continue
+        if st == "match":
+            parts.append(f"{len(rows):,} match")
+            continue
+        ranks = rows[ids + ["rank_absent"]].drop_duplicates(ids).sort_values(ids, na_position="first")
+        labels = [_rank_label(r) + (": rank absent after reload" if r["rank_absent"] else "") for _, r in ranks.iterrows()]
+        parts.append(f"{len(rows):,} {st} on {len(ranks)} rank{'s' if len(ranks) != 1 else ''} ({_listing(labels)})")
+    line = f"end-state check: {n_ranks} rank{'s' if n_ranks != 1 else ''}, {len(verdicts):,} parameters: {', '.join(parts) or 'nothing to check'}"
+    uncovered = int((~verdicts["reset_covered"] & (verdicts["status"] != "unexpected")).sum())
+    if uncovered:
+        line += f"; {uncovered:,} not covered by the reset (their verdicts prove less)"
+    return line
+
+
+# --------------------------------------------------------------------------- orchestration
+
+
+def _reload_or_raise(reload_fn: Callable[[], object], after: str) -> None:
+    try:
+        reload_fn()
+    except Exception as e:
+        raise EngineLeftPoisoned(
+            f"reload failed {after}: {type(e).__name__}: {e}; the engine is left poisoned "
+            "(it serves the reset pattern, not weights): rerun the weight update before serving"
+        ) from e
+
+
+def run_check(
+    snapshot_fn: Callable[[], object],
+    reset_fn: Callable[[], object],
+    reload_fn: Callable[[], object],
+    digest_fn: Callable[[str], pd.DataFrame],
+    *,
+    allow_partial_reset: bool = False,
+) -> pd.DataFrame:
+    """Run the end-state check over callables and return :func:`classify`'s verdicts.
+
+    ``digest_fn(phase)`` returns the digest frame of every rank for that phase.
+    Order: snapshot, digest; reset, digest; reload, digest; classify. The reload runs
+    even if the reset was incomplete or failed, so the engine is restored before any
+    error is raised; a failed reload raises :class:`EngineLeftPoisoned` and is never
+    reported as a result.
+    """
+    snapshot_fn()
+    snap = digest_fn("snapshot")
+    try:
+        reset_fn()
+        reset = digest_fn("reset")
+    except Exception as e:
+        _reload_or_raise(reload_fn, f"while restoring after the reset failed ({type(e).__name__}: {e})")
+        raise
+    _reload_or_raise(reload_fn, "after the reset")
+    reload = digest_fn("reload")
+    return classify(snap, reset, reload, allow_partial_reset=allow_partial_reset)
