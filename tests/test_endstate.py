@@ -46,7 +46,7 @@ class Engine:
         self.reloads = 0
 
     def snapshot(self) -> None:
-        pass
+        """Nothing to do: the snapshot is the digests the check takes next."""
 
     def reset(self) -> None:
         if self.reset_error:

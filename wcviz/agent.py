@@ -95,15 +95,10 @@ async def _in_thread(fn: Callable[[], Any]) -> Any:
 
 def _json_value(v: Any) -> Any:
     """A frame cell as JSON: NA/NaN -> null, numpy scalars -> Python."""
-    if v is None:
-        return None
-    try:
-        import pandas as pd
+    import pandas as pd
 
-        if v is pd.NA:
-            return None
-    except ImportError:  # pragma: no cover - pandas is a dependency
-        pass
+    if v is None or v is pd.NA:
+        return None
     if hasattr(v, "item"):
         v = v.item()
     if isinstance(v, float) and math.isnan(v):

@@ -86,12 +86,13 @@ def _short(exc: BaseException) -> str:
 
 
 def _message(resp: httpx.Response) -> str:
+    """The agent's JSON ``error``, or the start of whatever else the body holds."""
     try:
         body = resp.json()
-        if isinstance(body, dict) and "error" in body:
-            return str(body["error"])
     except ValueError:
-        pass
+        body = None
+    if isinstance(body, dict) and "error" in body:
+        return str(body["error"])
     return resp.text[:200] or resp.reason_phrase
 
 
