@@ -21,6 +21,7 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/cpu_digest.py --repeat 5
+	$(BIN)/python benchmarks/refit.py --repeat 3
 
 clean:
 	rm -rf $(VENV) .pytest_cache .benchmarks build *.egg-info
