@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/python -m wcviz.demo
+	$(BIN)/wcviz demo
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from wcviz.cli import main
-from wcviz.demo import tiny_llama_state_dict, write_sharded
+from wcviz.sim.model import ModelConfig, build_state_dict
+from wcviz.sim.model import save_checkpoint as write_sharded
 from wcviz.frame import read_table
 from wcviz.sources import from_safetensors
 
@@ -24,7 +25,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def sd():
-    return tiny_llama_state_dict(layers=2, hidden=16, heads=2, kv_heads=1, vocab=24)
+    return build_state_dict(ModelConfig(vocab=24, hidden=16, layers=2, heads=2, kv_heads=1, intermediate=48))
 
 
 @pytest.fixture(scope="module")

@@ -297,7 +297,7 @@ def test_summary_text():
         "(rank 1 (pp=0 tp=1), rank 3 (pp=1 tp=1)), 13 match"
     )
     assert summary(classify(*_phases(Engine()))) == "end-state check: 4 ranks, 16 parameters: 16 match"
-    assert tuple(ENDSTATE_STATUSES) == ("corrupted", "unwritten", "missing", "unexpected", "match")
+    assert tuple(ENDSTATE_STATUSES) == ("corrupted", "unwritten", "missing", "unreachable", "unexpected", "match")
 
 
 def test_summary_thousands_separator():

@@ -18,7 +18,8 @@ def test_public_names() -> None:
     assert set(wcviz.__all__) == {
         "ALGORITHMS", "BACKENDS", "COLUMNS", "Digest", "tensor_digest", "digest_hex", "digest_many", "compare_digests",
         "from_module", "from_state_dict", "from_safetensors", "compare", "read_table", "write_table",
-        "WcvizError", "DigestError", "AlgorithmMismatch", "CheckpointError", "TableError", "__version__",
+        "WcvizError", "DigestError", "AlgorithmMismatch", "CheckpointError", "TableError", "GatherError", "__version__",
+        "fetch", "check_agents",
     }
     for name in wcviz.__all__:
         assert getattr(wcviz, name) is not None, name
@@ -58,14 +59,29 @@ def test_public_names_are_not_shadowed_by_submodules() -> None:
     assert out.strip() == "[]"
 
 
-def test_make_demo_runs_and_catches_both_faults(tmp_path: Path) -> None:
-    """What `make demo` runs: the CLI part finds the flipped bit, the refit part names the broken parameter."""
+def test_make_demo_runs_the_cluster_and_finds_the_partial_update(tmp_path: Path) -> None:
+    """What `make demo` runs: the transport check passes, the end-state check names rank and parameters."""
+    import pandas as pd
+
+    out_dir = tmp_path / "demo"
     run = subprocess.run(
-        [sys.executable, "-m", "wcviz.demo", "--out", str(tmp_path / "demo")],
+        [sys.executable, "-m", "wcviz", "demo", "--out", str(out_dir), "--no-progress"],
         capture_output=True, text=True, timeout=300, cwd=REPO,
     )
     assert run.returncode == 0, run.stdout + run.stderr
     out = run.stdout
-    assert "1 mismatch, 20 match" in out
-    assert "refit (clean): refit of 21 parameters (262,784 bytes) verified: every digest matches" in out
-    assert "refit (bit flipped on the wire): refit verification failed for 1 of 21 parameters; digest differs: model.layers.0.mlp.down_proj.weight" in out
+    assert "transport check of the reload: 4 engine ranks verified, 30 parameters (249,216 bytes) each: every digest matches" in out
+    assert "layer 0  . U - -" in out and "layer 1  . U - -" in out
+    assert "end-state check: 4 ranks, 42 parameters: 2 unwritten on 1 rank (rank 1 (dp=0 pp=0 tp=1)), 40 match" in out
+    verdicts = pd.read_parquet(out_dir / "verdicts.parquet")
+    bad = verdicts[verdicts["status"] != "match"]
+    assert sorted(bad["name"]) == ["model.layers.0.mlp.down_proj.weight", "model.layers.1.mlp.down_proj.weight"]
+    assert set(bad["rank"]) == {1} and set(bad["status"]) == {"unwritten"}
+    assert (out_dir / "layer_rank.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    for phase in ("snapshot", "reset", "reload"):
+        assert len(pd.read_parquet(out_dir / f"{phase}.parquet")) == 42
+    pids = [int(line.split("pid")[1].split()[0]) for line in out.splitlines() if " pid " in line]
+    assert len(pids) == 5
+    for pid in pids:
+        stat = Path(f"/proc/{pid}/stat")
+        assert not stat.exists() or stat.read_text().split()[2] == "Z", f"rank process {pid} outlived the demo"

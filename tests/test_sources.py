@@ -15,7 +15,8 @@ from safetensors.torch import load_file, save_file
 
 import wcviz.sources._safetensors as st
 from wcviz._errors import CheckpointError, DigestError, WcvizError
-from wcviz.demo import tiny_llama_state_dict, write_sharded
+from wcviz.sim.model import ModelConfig, build_state_dict
+from wcviz.sim.model import save_checkpoint as write_sharded
 from wcviz.digest import digest_hex
 from wcviz.frame import COLUMNS, RANK_FIELDS, validate
 from wcviz.sources import from_module, from_safetensors, from_state_dict
@@ -58,7 +59,7 @@ def _digests(df: pd.DataFrame) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def tiny_sd():
-    return tiny_llama_state_dict(layers=2, hidden=16, heads=2, kv_heads=1, vocab=24)
+    return build_state_dict(ModelConfig(vocab=24, hidden=16, layers=2, heads=2, kv_heads=1, intermediate=48))
 
 
 # ---------------------------------------------------------------------------- in-memory sources

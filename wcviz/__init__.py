@@ -24,6 +24,9 @@ _EXPORTS = {
     "from_state_dict": "wcviz.sources",
     "from_safetensors": "wcviz.sources",
     "compare": "wcviz.verdicts",
+    "fetch": "wcviz.sources",
+    "check_agents": "wcviz.check",
+    "GatherError": "wcviz._errors",
     "read_table": "wcviz.frame",
     "write_table": "wcviz.frame",
     "COLUMNS": "wcviz.frame",
@@ -42,13 +45,16 @@ __all__ = [
     "CheckpointError",
     "Digest",
     "DigestError",
+    "GatherError",
     "TableError",
     "WcvizError",
     "__version__",
+    "check_agents",
     "compare",
     "compare_digests",
     "digest_hex",
     "digest_many",
+    "fetch",
     "from_module",
     "from_safetensors",
     "from_state_dict",
@@ -59,11 +65,12 @@ __all__ = [
 assert set(__all__) == {*_EXPORTS, "__version__"}
 
 if TYPE_CHECKING:
-    from wcviz._errors import AlgorithmMismatch, CheckpointError, DigestError, TableError, WcvizError
+    from wcviz._errors import AlgorithmMismatch, CheckpointError, DigestError, GatherError, TableError, WcvizError
+    from wcviz.check import check_agents
     from wcviz.verdicts import compare
     from wcviz.digest import ALGORITHMS, BACKENDS, Digest, compare_digests, digest_hex, digest_many, tensor_digest
     from wcviz.frame import COLUMNS, read_table, write_table
-    from wcviz.sources import from_module, from_safetensors, from_state_dict
+    from wcviz.sources import fetch, from_module, from_safetensors, from_state_dict
 
 
 def __getattr__(name: str) -> Any:

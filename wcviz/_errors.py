@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["WcvizError", "DigestError", "AlgorithmMismatch", "CheckpointError", "TableError"]
+__all__ = ["WcvizError", "DigestError", "AlgorithmMismatch", "CheckpointError", "TableError", "GatherError"]
 
 
 class WcvizError(Exception):
@@ -23,3 +23,7 @@ class CheckpointError(WcvizError, ValueError):
 
 class TableError(WcvizError, ValueError):
     """A digest table that does not follow the schema."""
+
+
+class GatherError(WcvizError, RuntimeError):
+    """Gathering digest tables over ``torch.distributed`` failed: no process group, a dead peer, a timeout."""

@@ -112,7 +112,9 @@ class Agent:
     ``holder`` returns the rank's current ``{name: tensor}`` (or ``(name, tensor)`` pairs)
     and is called on every request. ``snapshot``/``reset``/``reload`` are optional
     callables behind the mutating endpoints; they only run when ``allow_mutations`` is
-    set and the request carries ``token``.
+    set and the request carries ``token``; a dict they return is passed back as ``result``.
+    ``lock`` guards every read and mutation; pass the one the host holds while it writes
+    the weights itself.
     """
 
     def __init__(
@@ -132,6 +134,7 @@ class Agent:
         snapshot: Callable[[], Any] | None = None,
         reset: Callable[[], Any] | None = None,
         reload: Callable[[], Any] | None = None,
+        lock: threading.Lock | threading.RLock | None = None,
     ) -> None:
         if not callable(holder):
             raise TypeError(f"holder must be a callable returning the rank's named tensors, got {type(holder).__name__}")
@@ -153,7 +156,9 @@ class Agent:
         self.allow_mutations = bool(allow_mutations)
         self._token = token
         self._actions: dict[str, Callable[[], Any] | None] = {"snapshot": snapshot, "reset": reset, "reload": reload}
-        self._lock = threading.Lock()  # a digest never reads weights halfway through a reset/reload
+        # A digest never reads weights halfway through a reset/reload; a host that also writes the
+        # weights elsewhere (a refit in its main thread) passes its own lock to share.
+        self._lock = lock if lock is not None else threading.Lock()
         self._server: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
         self.url: str | None = None
@@ -249,12 +254,15 @@ class Agent:
             if fn is None:
                 raise _ClientError(501, f"this agent has no {action} callable configured")
 
-            def run() -> None:
+            def run() -> Any:
                 with self._lock:
-                    fn()
+                    return fn()
 
-            await _in_thread(run)
-            return JSONResponse({"ok": True, "action": action, **self._identity()})
+            result = await _in_thread(run)
+            body = {"ok": True, "action": action, **self._identity()}
+            if isinstance(result, dict):  # what the callable says it did (counts, the source reloaded from)
+                body["result"] = {str(k): _json_value(v) for k, v in result.items()}
+            return JSONResponse(body)
 
         return endpoint
 

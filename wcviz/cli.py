@@ -1,7 +1,10 @@
-"""The ``wcviz`` command: digest checkpoints and compare tables from a shell.
+"""The ``wcviz`` command: digest checkpoints, compare tables, fetch agents, run the end-state check.
 
-Exit status: 0 all match, 1 something differs, 2 bad input (a clear one-line
-error naming the file, tensor or column; never a traceback).
+``digest`` and ``compare`` work on files; ``fetch`` and ``endstate`` on running
+agents (``endstate`` is destructive and asks for ``--yes-reset``); ``demo`` runs the
+simulated-cluster demo. Exit status: 0 all match (every rank answered), 1 something
+differs or a rank did not answer, 2 bad input (a clear one-line error naming the
+file, tensor, column or flag; never a traceback).
 """
 
 from __future__ import annotations
@@ -41,6 +44,30 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--all", action="store_true", help="list matching rows too")
     c.add_argument("--out", metavar="FILE", help="also write the verdict table here (.csv/.parquet/.json)")
     c.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    f = sub.add_parser("fetch", help="fetch the digests of running agents over HTTP; exit 1 if a rank did not answer")
+    f.add_argument("urls", nargs="+", metavar="URL", help="agent base URLs (http://host:port)")
+    f.add_argument("--out", metavar="FILE", help="write the frame here (.csv/.parquet/.json)")
+    f.add_argument("--name", metavar="REGEX", help="only parameters whose name matches")
+    f.add_argument("--timeout", type=float, default=10.0, metavar="S", help="per-request timeout in seconds (default 10)")
+    f.add_argument("--retries", type=int, default=2, help="retries per request on connection errors and 5xx (default 2)")
+
+    e = sub.add_parser(
+        "endstate",
+        help="DESTRUCTIVE: snapshot, reset (poison every weight), reload and compare on running agents",
+        description="The end-state check over agents: snapshot -> reset -> reload -> compare. The reset overwrites "
+        "every weight of every rank with a poison pattern until the reload; a failed reload leaves those ranks "
+        "poisoned (the report names them). Needs agents started with mutations allowed, their token, and --yes-reset.",
+    )
+    e.add_argument("urls", nargs="+", metavar="URL", help="engine agent base URLs")
+    e.add_argument("--token", help="the agents' bearer token (default: $WCVIZ_TOKEN)")
+    e.add_argument("--yes-reset", action="store_true", help="confirm: every weight is poisoned until the reload")
+    e.add_argument("--out", metavar="DIR", help="write the verdicts and each phase's digests here as parquet")
+    e.add_argument("--timeout", type=float, default=60.0, metavar="S", help="per-request timeout in seconds (default 60)")
+    e.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    m = sub.add_parser("demo", help="run the simulated-cluster demo (what `make demo` runs)", add_help=False)
+    m.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the demo (see wcviz demo --help)")
     return p
 
 
@@ -123,13 +150,64 @@ def _compare(args: argparse.Namespace) -> int:
     return 0 if n["match"] == len(verdicts) else 1
 
 
+def _fetch(args: argparse.Namespace) -> int:
+    from wcviz.frame import write_table
+    from wcviz.sources import fetch
+
+    res = fetch(args.urls, timeout_s=args.timeout, retries=args.retries, name=args.name)
+    if args.out:
+        write_table(res.frame, args.out)
+        print(f"wrote {len(res.frame)} digests to {args.out}", file=sys.stderr)
+    elif len(res.frame):
+        cols = ["role", "rank"] + [c for c in ("dp", "pp", "tp", "ep") if res.frame[c].notna().any()] + _TABLE_COLUMNS
+        print(res.frame[cols].to_string(index=False))
+    print(res.summary)
+    return 0 if res.complete else 1
+
+
+def _endstate(args: argparse.Namespace) -> int:
+    import os
+
+    from wcviz.check import check_agents
+    from wcviz.views import layer_rank_text
+
+    if not args.yes_reset:
+        raise ValueError(
+            "the end-state check poisons every weight of every rank until the reload; "
+            "pass --yes-reset to confirm (and only against ranks that can be reloaded)"
+        )
+    token = args.token or os.environ.get("WCVIZ_TOKEN")
+    if not token:
+        raise ValueError("the agents' mutating endpoints need their bearer token: pass --token or set WCVIZ_TOKEN")
+    report = check_agents(args.urls, token=token, timeout_s=args.timeout, progress=not args.no_progress)
+    if args.out:
+        from wcviz.frame import write_table
+
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        for phase, frame in report.frames.items():
+            write_table(frame, out / f"{phase}.parquet")
+        report.verdicts.to_parquet(out / "verdicts.parquet", index=False)
+        print(f"wrote verdicts and {len(report.frames)} phase tables to {out}", file=sys.stderr)
+    print(layer_rank_text(report.verdicts))
+    print(report.details())
+    print(report.summary())
+    return 0 if report.ok else 1
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the exit status."""
     from wcviz._errors import WcvizError
 
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["demo"]:  # the demo parses its own flags
+        from wcviz.demo import main as demo
+
+        return demo(argv[1:])
     args = _parser().parse_args(argv)
+    commands = {"digest": _digest, "compare": _compare, "fetch": _fetch, "endstate": _endstate}
     try:
-        return _digest(args) if args.command == "digest" else _compare(args)
+        return commands[args.command](args)
     except WcvizError as e:
         print(f"wcviz: error: {e}", file=sys.stderr)
         return 2

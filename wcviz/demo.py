@@ -1,136 +1,108 @@
-"""``make demo``: digest a checkpoint, catch a one-bit change, then refit an engine process.
+"""``wcviz demo`` (``make demo``): a partial weight update caught on a simulated cluster.
 
-Part 1 runs the real CLI on real files: write a small sharded checkpoint,
-digest it, compare it with a copy where one bit flipped. Part 2 runs a real
-refit: a trainer (this process) streams its weights to an engine process over
-the colocated transport with verification ``log``, once cleanly and once with
-a bit flipped on the wire, and the sender names the parameter that broke.
+Starts a trainer and an engine of TP 2 x PP 2 as real processes in one gloo group on
+127.0.0.1, with an HTTP agent on every rank. The trainer takes a step and refits the
+engine (transport check ``log``: both ends digest every parameter). Then the
+end-state check runs over the agents: snapshot, reset (poison every weight), reload
+by a refit with a loader fault injected, compare. The transport check of that reload
+passes - the bytes arrived - and the end-state check names the layer, rank and
+parameter the loader left behind. Frames go to parquet and the layer x rank view to
+a PNG in ``--out``; every process is stopped at the end.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import shutil
 import sys
+import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
-__all__ = ["tiny_llama_state_dict", "write_sharded", "refit_demo", "main"]
+from wcviz.sim.engine import EngineLayout, LoaderFaults
 
+__all__ = ["FAULTS", "main", "run"]
 
-def tiny_llama_state_dict(layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2, vocab: int = 256, seed: int = 0) -> dict:
-    """A Llama-shaped state dict with Hugging Face names, built in code (no downloads)."""
-    import torch
-
-    g = torch.Generator().manual_seed(seed)
-    head_dim = hidden // heads
-    inter = hidden * 3
-
-    def w(*shape: int) -> torch.Tensor:
-        return (torch.randn(*shape, generator=g) * 0.02).to(torch.bfloat16)
-
-    sd = {"model.embed_tokens.weight": w(vocab, hidden)}
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        sd[p + "input_layernorm.weight"] = torch.ones(hidden, dtype=torch.bfloat16)
-        sd[p + "self_attn.q_proj.weight"] = w(heads * head_dim, hidden)
-        sd[p + "self_attn.k_proj.weight"] = w(kv_heads * head_dim, hidden)
-        sd[p + "self_attn.v_proj.weight"] = w(kv_heads * head_dim, hidden)
-        sd[p + "self_attn.o_proj.weight"] = w(hidden, heads * head_dim)
-        sd[p + "post_attention_layernorm.weight"] = torch.ones(hidden, dtype=torch.bfloat16)
-        sd[p + "mlp.gate_proj.weight"] = w(inter, hidden)
-        sd[p + "mlp.up_proj.weight"] = w(inter, hidden)
-        sd[p + "mlp.down_proj.weight"] = w(hidden, inter)
-    sd["model.norm.weight"] = torch.ones(hidden, dtype=torch.bfloat16)
-    sd["lm_head.weight"] = w(vocab, hidden)
-    return sd
+# --fault choices: what each one injects, per engine rank, into the update under test.
+FAULTS: dict[str, tuple[str, dict[int, LoaderFaults]]] = {
+    "skip": ("mlp.down_proj is skipped on engine rank 1 (a dropped bucket)", {1: LoaderFaults(skip=r"mlp\.down_proj")}),
+    "stale": ("engine rank 3 ignores the update (woke from sleep with stale weights)", {3: LoaderFaults(stale=True)}),
+    "fused": ("fused qkv/gate_up take TP rank 0's slice on every rank", {r: LoaderFaults(fused_from_rank0=True) for r in range(4)}),
+    "swap": ("engine ranks 0 and 1 load each other's TP shard", {0: LoaderFaults(tp_as=1), 1: LoaderFaults(tp_as=0)}),
+    "cast": ("every weight passes through float16 on engine rank 0 (tiny values lose bits)", {0: LoaderFaults(cast=r".")}),
+    "flip": ("one bit flips in lm_head on engine rank 3", {3: LoaderFaults(flip_bit=r"lm_head")}),
+    "none": ("no fault: a healthy update", {}),
+}
 
 
-def write_sharded(sd: dict, directory: Path, shards: int = 2) -> Path:
-    """Write ``sd`` as ``shards`` safetensors files plus a Hugging Face index."""
-    from safetensors.torch import save_file
-
-    directory.mkdir(parents=True, exist_ok=True)
-    names = list(sd)
-    weight_map = {}
-    for s in range(shards):
-        fname = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
-        part = {n: sd[n].contiguous() for n in names[s::shards]}
-        save_file(part, str(directory / fname))
-        weight_map.update({n: fname for n in part})
-    index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in sd.values())}, "weight_map": weight_map}
-    (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
-    return directory
+def _say(msg: str) -> None:
+    print(msg, flush=True)
 
 
-def _engine(address: str, faults: object, streams: int) -> None:
-    """The engine process: holds its own copy of the model, loads what the trainer streams."""
-    from wcviz.refit import IPCReceiver
-
-    model = {n: t.clone().zero_() for n, t in tiny_llama_state_dict().items()}
-    metadata = {n: (tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in model.items()}
-
-    def load_weights(batch: list) -> None:
-        for name, t in batch:
-            model[name].copy_(t)
-
-    with IPCReceiver(address, metadata, load_weights, verify="log", faults=faults, timeout_s=60) as rx:
-        for _ in range(streams):
-            rx.serve()
+def _transport(result: Any) -> str:
+    """The transport check in one line: per rank only when something is wrong."""
+    if result.verified and result.ok:
+        r = next(iter(result.ranks.values()))
+        return f"{len(result.ranks)} engine ranks verified, {r.params} parameters ({r.nbytes:,} bytes) each: every digest matches"
+    return result.describe()
 
 
-def refit_demo() -> int:
-    """Two refits with verification ``log``: a clean one, then one with a bit flipped on the wire."""
-    import multiprocessing as mp
+def run(fault: str = "skip", out: str | Path = "demo-out", *, tp: int = 2, pp: int = 2, progress: bool = True) -> int:
+    """Run the demo; returns 0 if the verdicts are what the injected fault should give, else 1."""
+    from wcviz.frame import write_table
+    from wcviz.sim import Cluster
+    from wcviz.views import layer_rank_text, plot_layer_rank
 
-    from wcviz.refit import Fault, FaultPlan, IPCSender
+    if fault not in FAULTS:
+        raise ValueError(f"unknown fault {fault!r}; choose one of {', '.join(FAULTS)}")
+    what, faults = FAULTS[fault]
+    layout = EngineLayout(tp=tp, pp=pp)
+    faults = {r: f for r, f in faults.items() if r < layout.world_size}
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    _say(f"wcviz demo: a trainer + an engine of TP {tp} x PP {pp} on 127.0.0.1, fault: {fault}")
+    with Cluster(layout=layout, verify="log", allow_mutations=True) as cluster:
+        _say(f"[1] up in {time.monotonic() - t0:.1f} s: {1 + layout.world_size} processes in one gloo group, an agent on each")
+        for info in cluster.ranks.values():
+            _say(f"      {info.label:<32} pid {info.pid:<7} {info.url}")
+        cluster.step()
+        first = cluster.refit()
+        _say(f"[2] trainer step {cluster.step_k}, refit (verify=log): {_transport(first)}")
+        fetched = cluster.fetch()
+        _say(f"[3] fetched over HTTP: {fetched.summary}; {len(fetched.frame)} rows")
+        _say(f"[4] end-state check: snapshot -> reset (poison) -> reload by refit with the fault -> compare\n      fault: {what}")
+        report = cluster.endstate(reload="refit", faults=faults, progress=progress)
+        _say(f"      transport check of the reload: {_transport(report.transport)}")
+        _say("")
+        _say(layer_rank_text(report.verdicts))
+        _say("")
+        _say(report.details())
+        _say(report.summary())
+        paths = [write_table(f, out / f"{phase}.parquet") for phase, f in report.frames.items()]
+        report.verdicts.to_parquet(out / "verdicts.parquet", index=False)
+        paths.append(out / "verdicts.parquet")
+        fig = plot_layer_rank(report.verdicts, title=f"end-state check, fault: {fault}")
+        fig.savefig(out / "layer_rank.png", dpi=120, bbox_inches="tight")
+        paths.append(out / "layer_rank.png")
+        pids = cluster.pids
+    _say(f"[5] wrote {', '.join(str(p) for p in paths)}")
+    _say(f"[6] stopped {len(pids)} processes; {time.monotonic() - t0:.1f} s in all")
+    found = not report.ok
+    expected = fault != "none"
+    _say(f"the end-state check {'found' if found else 'did not find'} a problem ({'as expected' if found == expected else 'NOT as expected'})")
+    return 0 if found == expected else 1
 
-    victim = "model.layers.0.mlp.down_proj.weight"
-    plans = {"clean": FaultPlan(), "bit flipped on the wire": FaultPlan((Fault("flip_bit", "wire", (victim,), bit=77),))}
-    sd = tiny_llama_state_dict()
-    worst = 0
-    for label, faults in plans.items():
-        with IPCSender(verify="log", faults=faults, buffer_bytes=64 << 10, timeout_s=60) as tx:
-            engine = mp.get_context("spawn").Process(target=_engine, args=(tx.address, faults, 1))
-            engine.start()
-            try:
-                result = tx.send(sd)
-            finally:
-                engine.join(30)
-                if engine.is_alive():
-                    engine.kill()
-        print(f"refit ({label}): {result.describe()}")
-        worst = max(worst, len(result.bad))
-    return worst
 
-
-def main(argv: list[str] | None = None) -> int:
-    import torch
-
-    from wcviz.cli import main as cli
-
-    ap = argparse.ArgumentParser(prog="python -m wcviz.demo", description=__doc__)
-    ap.add_argument("--out", default="demo-out", help="where to write the checkpoints (default demo-out/)")
-    out = Path(ap.parse_args(argv).out)
-    shutil.rmtree(out, ignore_errors=True)
-    sd = tiny_llama_state_dict()
-    sent = write_sharded(sd, out / "sent")
-    bad = {k: v.clone() for k, v in sd.items()}
-    victim = "model.layers.1.self_attn.k_proj.weight"
-    bad[victim].view(torch.int16).view(-1)[5] ^= 1  # one bit in one element
-    served = write_sharded(bad, out / "served")
-
-    print(f"$ wcviz digest {sent}", flush=True)
-    cli(["digest", str(sent), "--no-progress"])
-    print(f"\n$ wcviz digest {sent} --out {out / 'sent.csv'}", flush=True)
-    cli(["digest", str(sent), "--out", str(out / "sent.csv"), "--no-progress"])
-    print(f"\n$ wcviz compare {out / 'sent.csv'} {served}   # one bit flipped in {victim}", flush=True)
-    rc = cli(["compare", str(out / "sent.csv"), str(served), "--no-progress"])
-    print(f"(exit status {rc}: 1 means something differs)")
-
-    print("\n# refit: trainer -> engine process over shared memory + ZMQ, verify: log", flush=True)
-    broken = refit_demo()
-    return 0 if rc == 1 and broken == 1 else 1
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="wcviz demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--fault", choices=list(FAULTS), default="skip", help="loader fault injected into the update under test (default skip)")
+    ap.add_argument("--out", default="demo-out", help="folder for the parquet frames and the PNG (default demo-out/)")
+    ap.add_argument("--tp", type=int, default=2, help="engine tensor-parallel size (default 2)")
+    ap.add_argument("--pp", type=int, default=2, help="engine pipeline-parallel size (default 2)")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bar")
+    args = ap.parse_args(argv)
+    return run(args.fault, args.out, tp=args.tp, pp=args.pp, progress=not args.no_progress)
 
 
 if __name__ == "__main__":

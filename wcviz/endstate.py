@@ -17,6 +17,9 @@ Statuses, most severe first:
 - ``corrupted``   the reload holds a third value: neither the snapshot nor the poison;
 - ``unwritten``   the reload still holds the poison: the update never wrote it;
 - ``missing``     in the snapshot, absent after the reload;
+- ``unreachable`` the rank did not answer in some phase (it is named in ``unreachable``):
+  nothing about its weights is proven. A rank with no rows at all gets one row with
+  an empty ``name``, so a dead rank is never silently absent;
 - ``unexpected``  present after the reload, absent from the snapshot;
 - ``match``       the reload holds what the snapshot held.
 
@@ -45,16 +48,16 @@ __all__ = [
     "ENDSTATE_STATUSES",
     "PHASES",
     "POISON_BYTE",
-    "ResetNotCovered",
     "EngineLeftPoisoned",
+    "ResetNotCovered",
+    "classify",
     "poison_",
     "reset_coverage",
-    "classify",
-    "summary",
     "run_check",
+    "summary",
 ]
 
-ENDSTATE_STATUSES = ("corrupted", "unwritten", "missing", "unexpected", "match")  # most severe first
+ENDSTATE_STATUSES = ("corrupted", "unwritten", "missing", "unreachable", "unexpected", "match")  # most severe first
 PHASES = ("snapshot", "reset", "reload")
 POISON_BYTE = 0xA5  # 1010_0101: no float8/16/32/64 NaN, no common init value, never all-zero
 
@@ -232,28 +235,75 @@ def _raise_if_uncovered(cov: pd.DataFrame) -> None:
     raise ResetNotCovered(msg, cov)
 
 
+def _identities(ranks: pd.DataFrame | Iterable[Mapping[str, Any]] | None) -> pd.DataFrame:
+    """Distinct rank identities (the :data:`IDENTITY` columns, Int64) of ``ranks``."""
+    if ranks is None:
+        return pd.DataFrame({c: pd.Series(dtype="Int64") for c in IDENTITY})
+    df = ranks if isinstance(ranks, pd.DataFrame) else pd.DataFrame.from_records(list(ranks))
+    if len(df) and not any(c in df.columns for c in IDENTITY):
+        raise TableError(f"unreachable ranks need identity columns ({', '.join(IDENTITY)}); got {', '.join(map(str, df.columns))}")
+    out = pd.DataFrame({c: pd.to_numeric(df[c]).astype("Int64") if c in df else pd.Series(pd.NA, index=df.index, dtype="Int64") for c in IDENTITY})
+    return out.drop_duplicates().reset_index(drop=True)
+
+
+def _on_ranks(df: pd.DataFrame, ranks: pd.DataFrame) -> pd.Series:
+    """Which rows of ``df`` belong to one of ``ranks`` (NA coordinates match NA)."""
+    if not len(ranks):
+        return pd.Series(False, index=df.index)
+    hit = df[list(IDENTITY)].merge(ranks.assign(_hit=True), on=list(IDENTITY), how="left")["_hit"]
+    return pd.Series(hit.notna().to_numpy(), index=df.index)
+
+
+def _same_as(out: pd.DataFrame, snap: pd.DataFrame) -> pd.Series:
+    """For corrupted rows: labels of the other ranks whose snapshot of the same name equals the reload."""
+    result = pd.Series(pd.NA, index=out.index, dtype="string")
+    bad = out[out["status"] == "corrupted"]
+    if not len(bad):
+        return result
+    left = bad[_KEYS + ["digest_reload"]].assign(_row=bad.index, _digest=bad["digest_reload"].str.lower())
+    right = snap[_KEYS + ["digest"]].assign(_digest=snap["digest"].str.lower()).drop(columns="digest")
+    m = left.merge(right, on=["name", "_digest"], suffixes=("", "_other"))
+    other = [f"{c}_other" for c in IDENTITY]
+    same = pd.Series(True, index=m.index)
+    for c in IDENTITY:
+        a, b = m[c], m[f"{c}_other"]
+        same &= ((a == b) | (a.isna() & b.isna())).fillna(False).astype(bool)
+    m = m[~same]
+    for row_id, group in m.groupby("_row", sort=False):
+        labels = [_rank_label(dict(zip(IDENTITY, r))) for r in group[other].itertuples(index=False)]
+        result[row_id] = ", ".join(sorted(set(labels)))
+    return result
+
+
 def classify(
     snapshot: pd.DataFrame,
     reset: pd.DataFrame,
     reload: pd.DataFrame,
     *,
     allow_partial_reset: bool = False,
+    unreachable: pd.DataFrame | Iterable[Mapping[str, Any]] | None = None,
 ) -> pd.DataFrame:
     """One end-state verdict per (rank identity, name), most severe first.
 
     Columns: identity, ``name``, ``status`` (:data:`ENDSTATE_STATUSES`), ``algo``,
     ``digest_snapshot``, ``digest_reset``, ``digest_reload``, ``dtype``, ``shape``,
     ``nbytes`` (the snapshot's, else the reload's), ``dtype_reload``,
-    ``shape_reload``, ``layer``, ``block``, ``expert``, ``reset_covered`` and
-    ``rank_absent`` (the rank has no rows at all after the reload). Raises
-    :class:`ResetNotCovered` if the reset left a non-empty parameter unchanged,
-    unless ``allow_partial_reset`` (then ``reset_covered`` marks those rows False).
+    ``shape_reload``, ``layer``, ``block``, ``expert``, ``reset_covered``,
+    ``rank_absent`` (the rank has no rows at all after the reload) and ``same_as``
+    (for a corrupted row: the other ranks whose snapshot held exactly what this rank
+    reloaded, e.g. two ranks that swapped shards). ``unreachable`` names ranks (rows
+    with identity columns, e.g. :attr:`wcviz.sources.FetchResult.failed`) that did not
+    answer in some phase: all their rows are ``unreachable`` and they are left out of
+    the reset coverage. Raises :class:`ResetNotCovered` if the reset left a non-empty
+    parameter of an answering rank unchanged, unless ``allow_partial_reset`` (then
+    ``reset_covered`` marks those rows False).
     """
     p = _prepare({"snapshot": snapshot, "reset": reset, "reload": reload})
     snap, rst, rel = p["snapshot"], p["reset"], p["reload"]
+    dead = _identities(unreachable)
     cov = _coverage(snap, rst)
     if not allow_partial_reset:
-        _raise_if_uncovered(cov)
+        _raise_if_uncovered(cov[~_on_ranks(cov, dead)])
     extra = ["digest", "dtype", "shape", "nbytes", "layer", "block", "expert"]
     m = snap[_KEYS + extra].merge(rel[_KEYS + extra], on=_KEYS, how="outer", suffixes=("_snapshot", "_reload"), indicator=True)
     m = m.merge(rst[_KEYS + ["digest"]].rename(columns={"digest": "digest_reset"}), on=_KEYS, how="left")
@@ -284,6 +334,16 @@ def classify(
     reload_ranks = rel[list(IDENTITY)].drop_duplicates().assign(_present=True)
     present = out[list(IDENTITY)].merge(reload_ranks, on=list(IDENTITY), how="left")["_present"]
     out["rank_absent"] = present.isna().to_numpy()
+    out["same_as"] = _same_as(out, snap)
+    if len(dead):
+        out.loc[_on_ranks(out, dead), "status"] = "unreachable"
+        silent = dead.merge(out[list(IDENTITY)].drop_duplicates(), on=list(IDENTITY), how="left", indicator=True)
+        silent = silent[silent["_merge"] == "left_only"][list(IDENTITY)]
+        if len(silent):  # a rank that never answered still gets a row: absent is not the same as fine
+            ghost = silent.assign(status="unreachable", reset_covered=False, rank_absent=True)
+            out = pd.concat([out, ghost.astype({c: "Int64" for c in IDENTITY})], ignore_index=True)
+            for col in ("status", "name", "algo", "same_as"):
+                out[col] = out[col].astype("string")
     order = out["status"].map({st: i for i, st in enumerate(ENDSTATE_STATUSES)}).astype(int)
     out = out.assign(_o=order).sort_values(["_o", *IDENTITY, "name"], na_position="first", kind="stable")
     return out.drop(columns="_o").reset_index(drop=True)
@@ -296,6 +356,7 @@ def summary(verdicts: pd.DataFrame) -> str:
     """
     ids = list(IDENTITY)
     n_ranks = len(verdicts[ids].drop_duplicates())
+    ghosts = verdicts["name"].isna()  # ranks that never answered: no parameter rows to count
     parts = []
     for st in ENDSTATE_STATUSES:
         rows = verdicts[verdicts["status"] == st]
@@ -305,10 +366,21 @@ def summary(verdicts: pd.DataFrame) -> str:
             parts.append(f"{len(rows):,} match")
             continue
         ranks = rows[ids + ["rank_absent"]].drop_duplicates(ids).sort_values(ids, na_position="first")
-        labels = [_rank_label(r) + (": rank absent after reload" if r["rank_absent"] else "") for _, r in ranks.iterrows()]
-        parts.append(f"{len(rows):,} {st} on {len(ranks)} rank{'s' if len(ranks) != 1 else ''} ({_listing(labels)})")
-    line = f"end-state check: {n_ranks} rank{'s' if n_ranks != 1 else ''}, {len(verdicts):,} parameters: {', '.join(parts) or 'nothing to check'}"
-    uncovered = int((~verdicts["reset_covered"] & (verdicts["status"] != "unexpected")).sum())
+        absent = st != "unreachable"
+        labels = [_rank_label(r) + (": rank absent after reload" if absent and r["rank_absent"] else "") for _, r in ranks.iterrows()]
+        n_params = int((~rows["name"].isna()).sum())
+        plural = "s" if len(ranks) != 1 else ""
+        if n_params:
+            parts.append(f"{n_params:,} {st} on {len(ranks)} rank{plural} ({_listing(labels)})")
+        else:  # ranks that never answered: no parameter to count
+            parts.append(f"{len(ranks)} rank{plural} {st} ({_listing(labels)})")
+    n_all = int((~ghosts).sum())
+    line = f"end-state check: {n_ranks} rank{'s' if n_ranks != 1 else ''}, {n_all:,} parameters: {', '.join(parts) or 'nothing to check'}"
+    swapped = verdicts[verdicts["same_as"].notna()] if "same_as" in verdicts else verdicts.iloc[:0]
+    if len(swapped):
+        pairs = sorted({f"{_rank_label(r)} holds {r['same_as']}'s" for _, r in swapped.iterrows()})
+        line += f"; {len(swapped):,} corrupted parameters hold another rank's snapshot ({_listing(pairs)})"
+    uncovered = int((~verdicts["reset_covered"] & ~verdicts["status"].isin(["unexpected", "unreachable"])).sum())
     if uncovered:
         line += f"; {uncovered:,} not covered by the reset (their verdicts prove less)"
     return line

@@ -2,24 +2,30 @@
 
 :mod:`wcviz.sim.model` builds Llama-family weights (dense or MoE) and trainer steps;
 :mod:`wcviz.sim.engine` holds them the way vLLM's tensor/pipeline-parallel ranks do,
-with injectable loader faults, so verification can be tested against known bugs.
+with injectable loader faults, so verification can be tested against known bugs;
+:mod:`wcviz.sim.cluster` runs them as real processes with an agent on every rank.
 """
 
 from __future__ import annotations
 
+from wcviz.sim.cluster import Cluster, ClusterError, RankInfo
 from wcviz.sim.engine import EngineLayout, EngineShard, LoaderFaults, pp_layers, reassemble
-from wcviz.sim.model import TINY, TINY_MOE, ModelConfig, build_state_dict, parameter_shapes, step
+from wcviz.sim.model import TINY, TINY_MOE, ModelConfig, build_state_dict, parameter_shapes, save_checkpoint, step
 
 __all__ = [
     "TINY",
     "TINY_MOE",
+    "Cluster",
+    "ClusterError",
     "EngineLayout",
     "EngineShard",
     "LoaderFaults",
     "ModelConfig",
+    "RankInfo",
     "build_state_dict",
     "parameter_shapes",
     "pp_layers",
     "reassemble",
+    "save_checkpoint",
     "step",
 ]

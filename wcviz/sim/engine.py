@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -71,6 +71,8 @@ class LoaderFaults:
     stale: load_weights consumes its input and writes nothing.
     cast: matching parameters round-trip through float16 on load.
     flip_bit: one bit (the lowest, of the middle element) is flipped in each matching parameter.
+    tp_as: this rank narrows every TP-split weight as if it were TP rank ``tp_as``
+        (give two ranks each other's index to swap them: right shapes, wrong ranks).
     """
 
     skip: str | None = None
@@ -78,6 +80,11 @@ class LoaderFaults:
     stale: bool = False
     cast: str | None = None
     flip_bit: str | None = None
+    tp_as: int | None = None
+
+    def __str__(self) -> str:
+        set_ = [f"{f.name}={getattr(self, f.name)!r}" for f in fields(self) if getattr(self, f.name) not in (None, False)]
+        return ", ".join(set_) or "no faults"
 
 
 def pp_layers(layers: int, pp_rank: int, pp_size: int) -> range:
@@ -155,6 +162,9 @@ class EngineShard:
         Names of layers (or embedding/head) another pipeline stage owns are ignored,
         as is ``lm_head`` of a tied model; an unknown name raises KeyError.
         """
+        tp_as = self.faults.tp_as
+        if tp_as is not None and not 0 <= tp_as < self.tp_size:
+            raise ValueError(f"LoaderFaults.tp_as={tp_as} is outside tp_size {self.tp_size}")
         written: set[str] = set()
         for hf_name, full in weights:
             if self.faults.stale or _match(self.faults.skip, hf_name):
@@ -186,6 +196,8 @@ class EngineShard:
     def _place(self, name: str, shard_id: str | None, full: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(view of this rank's param to write, the slice of ``full`` that belongs there)."""
         param, r = self.params[name], self.tp_rank
+        if self.faults.tp_as is not None:
+            r = self.faults.tp_as
         if shard_id is not None and self.faults.fused_from_rank0:
             r = 0
         if shard_id == "q":

@@ -8,12 +8,14 @@ processes that build the same config hold bit-identical weights without talking.
 
 from __future__ import annotations
 
+import json
 import zlib
 from dataclasses import dataclass, fields
+from pathlib import Path
 
 import torch
 
-__all__ = ["TINY", "TINY_MOE", "ModelConfig", "build_state_dict", "parameter_shapes", "step"]
+__all__ = ["TINY", "TINY_MOE", "ModelConfig", "build_state_dict", "parameter_shapes", "save_checkpoint", "step"]
 
 _SIZES = ("vocab", "hidden", "layers", "heads", "kv_heads", "intermediate")
 
@@ -110,3 +112,21 @@ def step(sd: dict[str, torch.Tensor], k: int, scale: float = 0.01) -> dict[str, 
         delta = torch.randn(t.shape, generator=g) * scale
         out[name] = (t.float() + delta).to(t.dtype)
     return out
+
+
+def save_checkpoint(sd: dict[str, torch.Tensor], directory: str | Path, shards: int = 2) -> Path:
+    """Write ``sd`` as ``shards`` safetensors files plus a Hugging Face ``model.safetensors.index.json``."""
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    names = list(sd)
+    weight_map = {}
+    for s in range(shards):
+        fname = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+        part = {n: sd[n].contiguous() for n in names[s::shards]}
+        save_file(part, str(directory / fname))
+        weight_map.update({n: fname for n in part})
+    index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in sd.values())}, "weight_map": weight_map}
+    (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+    return directory

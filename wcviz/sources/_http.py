@@ -14,7 +14,7 @@ of the two frames; none is dropped.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,7 +24,7 @@ import pandas as pd
 from wcviz._errors import TableError
 from wcviz.frame import IDENTITY, make_frame, validate
 
-__all__ = ["FetchResult", "fetch", "fetch_agents", "FAILED_COLUMNS"]
+__all__ = ["FAILED_COLUMNS", "ActionResult", "FetchResult", "act", "act_agents", "fetch", "fetch_agents"]
 
 FAILED_COLUMNS = ("url", "kind", "error", "role", "rank", "dp", "pp", "tp", "ep", "host")
 _KEY = ("role",) + IDENTITY  # what makes two ranks the same rank
@@ -131,12 +131,26 @@ def _identity(info: Any) -> dict[str, Any]:
     return {k: info.get(k) for k in ("role", "rank", "dp", "pp", "tp", "ep", "host")}
 
 
+def _check_expected(ident: Mapping[str, Any], expected: Mapping[str, Any]) -> None:
+    """An agent must be the rank the caller says lives at its URL (a launcher that mixed ranks up)."""
+    wrong = [k for k in _KEY if k in expected and expected[k] is not None and ident.get(k) != expected[k]]
+    if wrong:
+        said = ", ".join(f"{k}={ident.get(k)}" for k in wrong)
+        want = ", ".join(f"{k}={expected[k]}" for k in wrong)
+        raise _Failed(f"/v1/info says {said} but this URL was expected to serve {want}")
+
+
 async def _fetch_one(
     client: httpx.AsyncClient, url: str, name: str | None, timeout_s: float, retries: int, known: dict[str, Any]
 ) -> tuple[dict[str, Any], pd.DataFrame]:
-    """Info, then digests, of one agent; the rows must carry the identity the info claimed."""
+    """Info, then digests, of one agent; the rows must carry the identity the info claimed.
+
+    ``known`` holds the identity expected at ``url`` (possibly empty) and is updated with
+    what the agent claims, so a failure is reported with the best identity there is.
+    """
     info = await _get(client, f"{url}/v1/info", {}, timeout_s, retries)
     ident = _identity(info)
+    _check_expected(ident, dict(known))
     known.update(ident)
     body = await _get(client, f"{url}/v1/digests", {"name": name} if name is not None else {}, timeout_s, retries)
     rows = body.get("rows") if isinstance(body, dict) else None
@@ -158,20 +172,33 @@ async def _fetch_one(
     return info, frame
 
 
-def _normalize(urls: Iterable[str]) -> tuple[str, ...]:
+Targets = Sequence[str] | str | Mapping[str, Mapping[str, Any]]
+
+
+def _normalize(urls: Targets) -> tuple[tuple[str, ...], list[dict[str, Any]]]:
+    """The URLs, and the identity expected at each (empty when only URLs are given)."""
     if isinstance(urls, str):
         urls = [urls]
-    out = tuple(str(u).rstrip("/") for u in urls)
+    pairs = list(urls.items()) if isinstance(urls, Mapping) else [(u, {}) for u in urls]
+    out = tuple(str(u).rstrip("/") for u, _ in pairs)
     seen: set[str] = set()
     for u in out:
         if u in seen:
             raise ValueError(f"URL {u} is given twice; each rank must be fetched once")
         seen.add(u)
-    return out
+    expected = []
+    for u, ident in pairs:
+        if not isinstance(ident, Mapping):
+            raise TypeError(f"the identity expected at {u} must be a mapping (role, rank, dp, pp, tp, ep), got {type(ident).__name__}")
+        unknown = sorted(set(ident) - set(_KEY) - {"host"})
+        if unknown:
+            raise ValueError(f"the identity expected at {u} has unknown key(s) {', '.join(unknown)}; allowed: {', '.join(_KEY)}, host")
+        expected.append(dict(ident))
+    return out, expected
 
 
 async def fetch_agents(
-    urls: Sequence[str] | str,
+    urls: Targets,
     *,
     client: httpx.AsyncClient | None = None,
     transport: httpx.AsyncBaseTransport | None = None,
@@ -181,6 +208,10 @@ async def fetch_agents(
 ) -> FetchResult:
     """Collect the digest tables of the agents at ``urls``, concurrently.
 
+    ``urls`` may map each URL to the identity expected there (``{"role": "engine",
+    "rank": 3, "pp": 1, "tp": 1}``): an agent claiming another identity is ``failed``,
+    and a rank that does not answer is reported under the identity it should have had.
+    Identity still comes from each agent's ``/v1/info``, never from the order of URLs.
     ``client`` (kept open) or ``transport`` choose how to reach them (e.g.
     ``httpx.ASGITransport(app=agent.app)``); ``timeout_s`` bounds each request, which is
     retried ``retries`` times on connection errors, timeouts and 5xx. ``name`` is a regex
@@ -191,10 +222,9 @@ async def fetch_agents(
         raise ValueError("retries must be >= 0 and timeout_s > 0")
     if client is not None and transport is not None:
         raise ValueError("give client or transport, not both")
-    targets = _normalize(urls)
+    targets, knowns = _normalize(urls)
     own = client is None
     http = client if client is not None else httpx.AsyncClient(transport=transport, timeout=timeout_s)
-    knowns: list[dict[str, Any]] = [{} for _ in targets]
     try:
         outcomes = await asyncio.gather(
             *(_fetch_one(http, u, name, timeout_s, retries, k) for u, k in zip(targets, knowns)), return_exceptions=True
@@ -247,10 +277,99 @@ async def fetch_agents(
     return FetchResult(urls=targets, frame=frame, failed=failed_frame, errors=errors, infos=infos)
 
 
-def fetch(urls: Sequence[str] | str, **kwargs: Any) -> FetchResult:
-    """Blocking :func:`fetch_agents` (same arguments), for scripts and the CLI."""
+def _blocking(what: str, coro_fn: Any, *args: Any, **kwargs: Any) -> Any:
     try:
         asyncio.get_running_loop()
     except RuntimeError:
-        return asyncio.run(fetch_agents(urls, **kwargs))
-    raise RuntimeError("fetch() was called inside a running event loop; use 'await fetch_agents(...)' there instead")
+        return asyncio.run(coro_fn(*args, **kwargs))
+    raise RuntimeError(f"{what}() was called inside a running event loop; use 'await {coro_fn.__name__}(...)' there instead")
+
+
+def fetch(urls: Targets, **kwargs: Any) -> FetchResult:
+    """Blocking :func:`fetch_agents` (same arguments), for scripts and the CLI."""
+    return _blocking("fetch", fetch_agents, urls, **kwargs)
+
+
+@dataclass
+class ActionResult:
+    """What one POST to many agents did: each URL's answer body, or its error."""
+
+    action: str
+    urls: tuple[str, ...]
+    answers: dict[str, dict[str, Any]] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)
+    unreachable: set[str] = field(default_factory=set)
+
+    @property
+    def complete(self) -> bool:
+        """True only when every URL acknowledged the action."""
+        return bool(self.urls) and not self.errors
+
+    @property
+    def summary(self) -> str:
+        parts = [f"{self.action}: {len(self.answers)} of {len(self.urls)} ranks acknowledged"]
+        if self.errors:
+            parts.append(", ".join(f"{u} ({e})" for u, e in self.errors.items()))
+        return "; ".join(parts)
+
+
+async def _post(client: httpx.AsyncClient, url: str, action: str, token: str | None, timeout_s: float) -> dict[str, Any]:
+    """POST one mutation, once: a reset or reload is not retried behind the caller's back."""
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    try:
+        resp = await asyncio.wait_for(client.post(f"{url}/v1/{action}", headers=headers, timeout=timeout_s), timeout_s)
+    except (httpx.TransportError, asyncio.TimeoutError) as e:
+        raise _Unreachable(_short(e) if not isinstance(e, asyncio.TimeoutError) else f"timed out after {timeout_s} s") from None
+    if resp.status_code != 200:
+        raise _Failed(f"HTTP {resp.status_code}: {_message(resp)}")
+    try:
+        body = resp.json()
+    except ValueError:
+        raise _Failed(f"{url} did not answer JSON") from None
+    if not isinstance(body, dict) or body.get("ok") is not True:
+        raise _Failed(f"{action} was not acknowledged: {str(body)[:200]}")
+    return body
+
+
+async def act_agents(
+    urls: Targets,
+    action: str,
+    *,
+    token: str | None,
+    client: httpx.AsyncClient | None = None,
+    transport: httpx.AsyncBaseTransport | None = None,
+    timeout_s: float = 60.0,
+) -> ActionResult:
+    """POST ``/v1/<action>`` (snapshot, reset or reload) to every agent at once, with the bearer ``token``.
+
+    Mutations are sent once and never retried. Every URL ends up in ``answers`` or
+    ``errors`` (``unreachable`` marks those that gave no HTTP answer at all).
+    """
+    if action not in ("snapshot", "reset", "reload"):
+        raise ValueError(f"unknown action {action!r}; choose snapshot, reset or reload")
+    if client is not None and transport is not None:
+        raise ValueError("give client or transport, not both")
+    targets, _ = _normalize(urls)
+    own = client is None
+    http = client if client is not None else httpx.AsyncClient(transport=transport, timeout=timeout_s)
+    try:
+        outcomes = await asyncio.gather(*(_post(http, u, action, token, timeout_s) for u in targets), return_exceptions=True)
+    finally:
+        if own:
+            await http.aclose()
+    result = ActionResult(action, targets)
+    for url, outcome in zip(targets, outcomes):
+        if isinstance(outcome, BaseException):
+            if not isinstance(outcome, Exception):
+                raise outcome
+            result.errors[url] = str(outcome) if isinstance(outcome, (_Unreachable, _Failed)) else _short(outcome)
+            if isinstance(outcome, _Unreachable):
+                result.unreachable.add(url)
+        else:
+            result.answers[url] = outcome
+    return result
+
+
+def act(urls: Targets, action: str, **kwargs: Any) -> ActionResult:
+    """Blocking :func:`act_agents` (same arguments)."""
+    return _blocking("act", act_agents, urls, action, **kwargs)

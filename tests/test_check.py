@@ -1,0 +1,162 @@
+"""The end-state check over HTTP agents (wcviz.check) and its CLI (`wcviz endstate`, `wcviz fetch`).
+
+Agents run in this process on loopback, each over a small dict of tensors whose
+reload can be told to misbehave, so every branch is exercised without processes.
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+
+from wcviz.agent import Agent
+from wcviz.check import check_agents
+from wcviz.cli import main as cli
+from wcviz.endstate import ResetNotCovered, poison_
+
+TOKEN = "s3cret"
+
+
+class Rank:
+    """One rank's weights, with a reload that can skip names, fail, or do nothing to the reset."""
+
+    def __init__(self, rank: int, tp: int) -> None:
+        g = torch.Generator().manual_seed(rank)
+        self.truth = {f"model.layers.{i}.mlp.down_proj.weight": torch.randn(8, 8, generator=g) for i in range(3)}
+        self.truth["model.norm.weight"] = torch.randn(8, generator=g)
+        self.params = {n: t.clone() for n, t in self.truth.items()}
+        self.skip: str | None = None
+        self.fail_reload = False
+        self.ignore_reset = False
+        self.agent = Agent(
+            lambda: self.params, role="engine", rank=rank, pp=0, tp=tp, token=TOKEN, allow_mutations=True,
+            snapshot=lambda: {"params": len(self.params)}, reset=self.reset, reload=self.reload,
+        )  # fmt: skip
+
+    def reset(self) -> None:
+        if not self.ignore_reset:
+            poison_(self.params)
+
+    def reload(self) -> dict:
+        if self.fail_reload:
+            raise OSError("checkpoint shard 2 is unreadable")
+        for n, t in self.truth.items():
+            if self.skip is None or self.skip not in n:
+                self.params[n].copy_(t)
+        return {"written": len(self.params)}
+
+
+@pytest.fixture
+def ranks() -> Iterator[list[Rank]]:
+    rs = [Rank(0, 0), Rank(1, 1)]
+    for r in rs:
+        r.agent.start()
+    yield rs
+    for r in rs:
+        r.agent.stop()
+
+
+def _urls(ranks: list[Rank]) -> dict[str, dict]:
+    return {r.agent.url: {"role": "engine", "rank": r.agent.rank, "pp": 0, "tp": r.agent.coords["tp"]} for r in ranks}
+
+
+def _dead_url() -> str:
+    with socket.socket() as s:  # a port that was free a moment ago and has no listener
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+def test_healthy_ranks_all_match(ranks: list[Rank]) -> None:
+    report = check_agents(_urls(ranks), token=TOKEN)
+    assert report.ok and len(report.verdicts) == 8 and not len(report.problems)
+    assert report.answered == {"snapshot": 2, "reset": 2, "reload": 2}
+    assert set(report.frames) == {"snapshot", "reset", "reload"}
+    assert (report.frames["reset"]["phase"] == "reset").all()
+
+
+def test_a_skipped_parameter_is_unwritten_on_its_rank_only(ranks: list[Rank]) -> None:
+    ranks[1].skip = "layers.2."
+    report = check_agents(_urls(ranks), token=TOKEN)
+    bad = report.verdicts[report.verdicts["status"] != "match"]
+    assert [(int(r.rank), r.name, r.status) for r in bad.itertuples()] == [(1, "model.layers.2.mlp.down_proj.weight", "unwritten")]
+    assert "unwritten   rank 1 (pp=0 tp=1)" in report.details()
+
+
+def test_failed_reload_on_one_rank_is_reported_as_poisoned(ranks: list[Rank]) -> None:
+    ranks[0].fail_reload = True
+    report = check_agents(_urls(ranks), token=TOKEN)
+    assert report.poisoned["rank"].tolist() == [0]
+    assert "checkpoint shard 2 is unreadable" in report.poisoned["error"].iloc[0]
+    assert report.summary().splitlines()[0].startswith("RELOAD FAILED on engine 0 (pp=0 tp=0): still poisoned")
+    v = report.verdicts
+    assert set(v.loc[v["rank"] == 0, "status"]) == {"unwritten"} and set(v.loc[v["rank"] == 1, "status"]) == {"match"}
+
+
+def test_reset_that_changes_nothing_voids_the_check_after_reloading(ranks: list[Rank]) -> None:
+    ranks[1].ignore_reset = True
+    ranks[0].params["model.norm.weight"].add_(1)  # would be restored by the reload that still runs
+    with pytest.raises(ResetNotCovered, match="4 unchanged on 1 rank"):
+        check_agents(_urls(ranks), token=TOKEN)
+    assert torch.equal(ranks[0].params["model.norm.weight"], ranks[0].truth["model.norm.weight"])
+
+
+def test_a_rank_that_never_answers_is_unreachable_not_missing(ranks: list[Rank]) -> None:
+    dead = _dead_url()
+    urls = {**_urls(ranks), dead: {"role": "engine", "rank": 2, "pp": 0, "tp": 2}}
+    report = check_agents(urls, token=TOKEN, timeout_s=2, retries=0)
+    v = report.verdicts
+    ghost = v[v["rank"] == 2]
+    assert len(ghost) == 1 and ghost["status"].iloc[0] == "unreachable" and pd.isna(ghost["name"].iloc[0])
+    assert int(ghost["tp"].iloc[0]) == 2
+    assert set(v.loc[v["rank"] != 2, "status"]) == {"match"}
+    assert set(report.problems["url"]) == {dead} and not report.ok
+    assert "end-state check: 3 ranks, 8 parameters: 1 rank unreachable (rank 2 (pp=0 tp=2)), 8 match" in report.summary()
+
+
+def test_wrong_token_is_a_problem_on_every_rank_not_a_pass(ranks: list[Rank]) -> None:
+    with pytest.raises(ResetNotCovered):  # nothing was reset, so nothing can be proven
+        check_agents(_urls(ranks), token="nope")
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def test_cli_fetch(ranks: list[Rank], capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    urls = [r.agent.url for r in ranks]
+    assert cli(["fetch", *urls]) == 0
+    assert capsys.readouterr().out.strip().endswith("2 of 2 ranks answered")
+    dead = _dead_url()
+    assert cli(["fetch", *urls, dead, "--timeout", "2", "--retries", "0", "--out", str(tmp_path / "f.parquet")]) == 1
+    out = capsys.readouterr().out
+    assert f"2 of 3 ranks answered; 1 unreachable: {dead}" in out
+    assert len(pd.read_parquet(tmp_path / "f.parquet")) == 8
+
+
+def test_cli_endstate_needs_confirmation_and_token(ranks: list[Rank], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("WCVIZ_TOKEN", raising=False)
+    urls = [r.agent.url for r in ranks]
+    assert cli(["endstate", *urls, "--token", TOKEN]) == 2
+    assert "pass --yes-reset to confirm" in capsys.readouterr().err
+    assert cli(["endstate", *urls, "--yes-reset"]) == 2
+    assert "bearer token" in capsys.readouterr().err
+    assert all(torch.equal(r.params[n], r.truth[n]) for r in ranks for n in r.truth)  # nothing was touched
+
+
+def test_cli_endstate_reports_and_exits_1_on_a_partial_reload(ranks: list[Rank], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("WCVIZ_TOKEN", TOKEN)
+    urls = [r.agent.url for r in ranks]
+    assert cli(["endstate", *urls, "--yes-reset", "--no-progress"]) == 0
+    assert "8 match" in capsys.readouterr().out
+    ranks[0].skip = "norm"
+    assert cli(["endstate", *urls, "--yes-reset", "--no-progress", "--out", str(tmp_path / "es")]) == 1
+    out = capsys.readouterr().out
+    assert re.search(r"unwritten +rank 0 \(pp=0 tp=0\) +model\.norm\.weight", out)
+    assert "1 unwritten on 1 rank (rank 0 (pp=0 tp=0))" in out
+    v = pd.read_parquet(tmp_path / "es" / "verdicts.parquet")
+    assert v.loc[v["status"] == "unwritten", "name"].tolist() == ["model.norm.weight"]

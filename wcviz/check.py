@@ -1,0 +1,178 @@
+"""The end-state check driven over HTTP: snapshot -> reset -> reload -> compare on every agent.
+
+:mod:`wcviz.endstate` classifies frames; this module drives live ranks through their
+agents (:class:`wcviz.agent.Agent`) and keeps the check honest when ranks misbehave:
+
+- a rank that does not answer in some phase is ``unreachable`` in the verdicts (never
+  silently dropped, never counted as a pass);
+- a reset that leaves a parameter of an answering rank unchanged voids the check
+  (:class:`wcviz.endstate.ResetNotCovered`), raised only after the reload has run;
+- a reload that fails on a rank leaves that rank poisoned: the report names it in
+  :attr:`EndStateReport.poisoned` and its summary says so first.
+
+The reset is destructive: it overwrites every engine weight with a poison pattern.
+The agents must have been started with ``allow_mutations=True`` and a token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import pandas as pd
+
+from wcviz.endstate import PHASES, classify, summary
+from wcviz.frame import IDENTITY
+from wcviz.sources._http import FAILED_COLUMNS, Targets, _normalize, act, fetch
+
+__all__ = ["PROBLEM_COLUMNS", "EndStateReport", "check_agents"]
+
+PROBLEM_COLUMNS = ("phase", "step", "url", "kind", "error", "role", "rank", "dp", "pp", "tp", "ep")
+
+
+@dataclass
+class EndStateReport:
+    """What one end-state check found.
+
+    ``verdicts``: :func:`wcviz.endstate.classify`'s frame (``unreachable`` rows for
+    ranks that did not answer). ``frames``: the digest frame of each phase.
+    ``problems``: one row per (phase, step, rank) that failed (:data:`PROBLEM_COLUMNS`;
+    ``step`` is ``snapshot``/``reset``/``reload`` for the action, ``digests`` for the
+    fetch). ``poisoned``: the problems of ranks whose reload failed - they still hold
+    the reset pattern. ``transport``: the refit's transport check, when the reload
+    was a refit.
+    """
+
+    verdicts: pd.DataFrame
+    frames: dict[str, pd.DataFrame]
+    problems: pd.DataFrame
+    transport: Any = None
+    answered: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def poisoned(self) -> pd.DataFrame:
+        p = self.problems
+        return p[(p["phase"] == "reload") & (p["step"] == "reload")].reset_index(drop=True)
+
+    @property
+    def ok(self) -> bool:
+        """True only if every rank answered every phase and every parameter matches."""
+        return not len(self.problems) and bool(len(self.verdicts)) and bool((self.verdicts["status"] == "match").all())
+
+    def summary(self) -> str:
+        """Lines a person reads first: poisoned ranks, then the verdicts, then every problem."""
+        lines = []
+        if len(self.poisoned):
+            ranks = ", ".join(_label(r) for _, r in self.poisoned.iterrows())
+            lines.append(f"RELOAD FAILED on {ranks}: still poisoned (serving the reset pattern); rerun the weight update")
+        lines.append(summary(self.verdicts))
+        for _, r in self.problems.iterrows():
+            lines.append(f"  {r['phase']}/{r['step']}: {_label(r)} {r['kind']}: {r['error']}")
+        return "\n".join(lines)
+
+    def details(self, limit: int = 20) -> str:
+        """The rows that are not ``match``, worst first: rank, coordinates, status, name (and whose weights a swap holds)."""
+        bad = self.verdicts[self.verdicts["status"] != "match"]
+        if not len(bad):
+            return "every parameter matches"
+        lines = []
+        for _, r in bad.head(limit).iterrows():
+            where = _label({**r, "role": "rank"})
+            name = r["name"] if not pd.isna(r["name"]) else "(no parameter answered)"
+            held = f"  <- holds {r['same_as']}'s" if "same_as" in r and not pd.isna(r["same_as"]) else ""
+            lines.append(f"  {r['status']:<11} {where:<28} {name}{held}")
+        if len(bad) > limit:
+            lines.append(f"  ... {len(bad) - limit} more (see the verdicts frame)")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.summary()
+
+
+def _label(row: Mapping[str, Any]) -> str:
+    coords = " ".join(f"{c}={int(row[c])}" for c in IDENTITY[1:] if not pd.isna(row.get(c)))
+    who = f"{row.get('role') or 'rank'} {int(row['rank'])}" if not pd.isna(row.get("rank")) else str(row.get("url"))
+    return who + (f" ({coords})" if coords else "")
+
+
+def check_agents(
+    urls: Targets,
+    *,
+    token: str | None,
+    reload: Callable[[], object] | None = None,
+    before_reload: Callable[[], object] | None = None,
+    allow_partial_reset: bool = False,
+    timeout_s: float = 60.0,
+    retries: int = 2,
+    progress: bool = False,
+    client: Any = None,
+    transport: Any = None,
+) -> EndStateReport:
+    """Run the end-state check on the agents at ``urls`` and return an :class:`EndStateReport`.
+
+    DESTRUCTIVE: the reset poisons every parameter of every rank. ``urls`` may map each
+    URL to the identity expected there, so a rank that never answers is still reported
+    under its coordinates. ``reload``: a callable that runs the weight update again (a
+    refit from the trainer); by default each agent's ``POST /v1/reload`` (e.g. from a
+    checkpoint). A failing ``reload`` callable is recorded against every rank (all are
+    left poisoned) and the digests are still fetched, so the report shows the state.
+    ``before_reload`` runs between the reset and the reload (e.g. to inject a loader
+    fault that strikes only the update under test).
+    """
+    from tqdm.auto import tqdm
+
+    targets, expected = _normalize(urls)
+    if not targets:
+        raise ValueError("check_agents needs at least one agent URL")
+    known: dict[str, dict[str, Any]] = {u: dict(e) for u, e in zip(targets, expected)}
+    net: dict[str, Any] = {"client": client, "transport": transport, "timeout_s": timeout_s}
+    problems: list[dict[str, Any]] = []
+    frames: dict[str, pd.DataFrame] = {}
+    answered: dict[str, int] = {}
+    bar = tqdm(total=2 * len(PHASES), desc="end-state check", disable=not progress, leave=False)
+
+    def problem(phase: str, step: str, url: str, kind: str, error: str) -> None:
+        problems.append({"phase": phase, "step": step, "url": url, "kind": kind, "error": error, **known.get(url, {})})
+
+    def do(phase: str) -> None:
+        if phase == "reload" and before_reload is not None:
+            before_reload()
+        if phase == "reload" and reload is not None:
+            try:
+                reload()
+            except Exception as e:  # noqa: BLE001 - recorded against every rank; the digests below show the damage
+                for u in targets:
+                    problem(phase, "reload", u, "failed", f"the reload callable failed: {type(e).__name__}: {e}")
+        else:
+            res = act(urls, phase, token=token, **net)
+            for u, err in res.errors.items():
+                problem(phase, phase, u, "unreachable" if u in res.unreachable else "failed", err)
+        bar.update()
+
+    def digests(phase: str) -> None:
+        res = fetch(urls, retries=retries, **net)
+        for u, info in res.infos.items():
+            known[u] = {k: info.get(k) for k in ("role", "rank", "dp", "pp", "tp", "ep")}
+        for r in res.failed.to_dict(orient="records"):
+            known.setdefault(str(r["url"]), {}).update({k: r[k] for k in FAILED_COLUMNS if k in IDENTITY or k == "role"})
+            problem(phase, "digests", str(r["url"]), str(r["kind"]), str(r["error"]))
+        frames[phase] = res.frame.assign(phase=phase)
+        answered[phase] = res.answered
+        bar.update()
+
+    try:
+        for phase in PHASES:
+            do(phase)
+            digests(phase)
+    finally:
+        bar.close()
+
+    table = pd.DataFrame(problems, columns=list(PROBLEM_COLUMNS))
+    for c in PROBLEM_COLUMNS:
+        table[c] = table[c].astype("Int64" if c in IDENTITY else "string")
+    silent = table[(table["step"] == "digests") | (table["kind"] == "unreachable")]
+    verdicts = classify(
+        frames["snapshot"], frames["reset"], frames["reload"], allow_partial_reset=allow_partial_reset, unreachable=silent
+    )
+    return EndStateReport(verdicts=verdicts, frames=frames, problems=table, answered=answered)

@@ -1,0 +1,128 @@
+"""Verdicts as a heatmap: model parts down, ranks across, one fixed colour per status.
+
+matplotlib is imported inside the function, so ``import wcviz.views`` stays
+cheap; figures are made with ``matplotlib.figure.Figure`` (never pyplot), so
+none is left registered and nothing needs a display.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import pandas as pd
+
+from wcviz.views._grid import SEVERITY, layout, nonmatch_counts, worst_severity
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
+
+__all__ = ["COLORS", "NOT_HELD_COLOR", "plot_layer_rank"]
+
+# Okabe-Ito hues where they fit: red and orange are the alarms, black a rank that never answered
+COLORS = {
+    "corrupted": "#B2182B",  # dark red: a third value
+    "mismatch": "#CC79A7",  # reddish purple
+    "drift": "#F0E442",  # yellow: dtype or shape changed
+    "unwritten": "#E69F00",  # orange: still the poison
+    "missing": "#0072B2",  # blue
+    "unreachable": "#222222",  # near black: the rank did not answer
+    "unexpected": "#56B4E9",  # sky blue
+    "match": "#D9E6D9",  # light grey-green
+}
+NOT_HELD_COLOR = "#FFFFFF"
+assert set(COLORS) == set(SEVERITY)
+
+_ANNOTATE_BELOW = 400  # cells; above this, counts would not be legible
+_FONT = 7.0  # points, tick labels
+
+
+def _ticks(labels: list[str], room_in: float, layered: bool) -> list[int]:
+    """Positions to label so labels do not overlap in ``room_in`` inches; layers thin on round numbers."""
+    fit = max(1, int(room_in / (_FONT * 1.5 / 72)))
+    step = max(1, math.ceil(len(labels) / fit))
+    if step == 1:
+        return list(range(len(labels)))
+    if not layered:
+        return list(range(0, len(labels), step))
+    named = [i for i, name in enumerate(labels) if not name.startswith("layer ")]  # embed, norm, head, other
+    round_layers = [
+        i for i, name in enumerate(labels)
+        if name.startswith("layer ") and int(name.split()[1]) % step == 0 and all(abs(i - j) >= step for j in named)
+    ]
+    return sorted(named + round_layers)
+
+
+def _ink(color: str) -> str:
+    """Black or white text, whichever reads on ``color``."""
+    from matplotlib.colors import to_rgb
+
+    r, g, b = to_rgb(color)
+    return "black" if 0.299 * r + 0.587 * g + 0.114 * b > 0.55 else "white"
+
+
+def plot_layer_rank(verdicts: pd.DataFrame, *, ax: Axes | None = None, title: str | None = None) -> Figure:
+    """A heatmap of the worst status per (model part, rank); returns the figure drawn on.
+
+    Rows are model parts in model order, columns ranks in identity order
+    labelled by coordinates (as :func:`wcviz.views.layer_rank_grid`); colours
+    are :data:`COLORS` (white where the rank holds nothing of that part). The
+    legend lists the statuses drawn. Grids under 400 cells show the count of
+    non-``match`` rows in each cell. Tick labels are thinned to what fits, so
+    64 ranks × 80 layers stays readable. Draws on ``ax`` when given, else on a
+    new :class:`~matplotlib.figure.Figure` sized to the grid (not registered
+    with pyplot).
+    """
+    from matplotlib.colors import BoundaryNorm, ListedColormap
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
+
+    lay = layout(verdicts)
+    worst = worst_severity(lay)
+    n_rows, n_cols = worst.shape
+    if ax is None:
+        width = min(16.0, max(5.0, 3.5 + 0.22 * n_cols))
+        height = min(14.0, max(2.5, 1.4 + 0.2 * n_rows))
+        fig = Figure(figsize=(width, height), layout="constrained")
+        ax = fig.add_subplot()
+    else:
+        fig = ax.get_figure()  # type: ignore[assignment]  # a SubFigure draws and saves alike
+    ax.set_title(title if title is not None else "worst status per model part and rank")
+    if not n_rows:
+        ax.text(0.5, 0.5, "no verdicts", ha="center", va="center", transform=ax.transAxes)
+        ax.set_axis_off()
+        return fig
+
+    colors = [COLORS[s] for s in SEVERITY] + [NOT_HELD_COLOR]
+    codes = worst.fillna(len(SEVERITY)).astype(int).to_numpy()
+    cmap = ListedColormap(colors)
+    norm = BoundaryNorm([i - 0.5 for i in range(len(colors) + 1)], len(colors))
+    ax.imshow(codes, cmap=cmap, norm=norm, aspect="auto", interpolation="nearest")
+
+    size = fig.get_size_inches()
+    box = ax.get_position()
+    rows = _ticks(lay.parts, box.height * size[1], layered=True)
+    cols = _ticks(lay.ranks, box.width * size[0], layered=False)
+    ax.set_yticks(rows, [lay.parts[i] for i in rows], fontsize=_FONT)
+    ax.set_xticks(cols, [lay.ranks[i] for i in cols], fontsize=_FONT, rotation=90)
+    ax.set_xlabel("rank")
+    ax.set_ylabel("model part")
+    ax.tick_params(length=2)
+
+    if n_rows * n_cols < _ANNOTATE_BELOW:
+        ax.set_xticks([i - 0.5 for i in range(1, n_cols)], minor=True)
+        ax.set_yticks([i - 0.5 for i in range(1, n_rows)], minor=True)
+        ax.grid(which="minor", color="white", linewidth=0.8)
+        ax.tick_params(which="minor", length=0)
+        counts = nonmatch_counts(lay).to_numpy()
+        for i in range(n_rows):
+            for j in range(n_cols):
+                n = counts[i, j]
+                if not pd.isna(n) and n > 0:
+                    ax.text(j, i, str(int(n)), ha="center", va="center", fontsize=_FONT, color=_ink(colors[codes[i, j]]))
+
+    drawn = sorted({int(c) for c in codes.ravel()})
+    handles = [Patch(facecolor=colors[c], edgecolor="#888888", label=SEVERITY[c] if c < len(SEVERITY) else "not held") for c in drawn]
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False, fontsize=8, title="status", title_fontsize=8)
+    return fig

@@ -1,0 +1,153 @@
+"""Verdicts as terminal text: the layer × rank grid a person reads during an incident.
+
+::
+
+    rank     0 1 2 3
+    pp       0 0 1 1
+    tp       0 1 0 1
+    embed    . . - -
+    layer 0  . U - -
+    layer 1  - - x C
+    head     - - . .
+    legend: C corrupted  U unwritten  x missing  . match  - not held
+    C corrupted  1 on 1 rank: r3 pp1 tp1
+    U unwritten  2 on 2 ranks: r1 pp0 tp1, r3 pp1 tp1
+    x missing    1 on 1 rank: r2 pp1 tp0
+    . match      5 on 4 ranks
+
+A rank coordinate of several digits is written downwards (tens above units), so
+every rank takes two characters: 45 ranks fit 100 columns.
+"""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from wcviz.views._grid import SEVERITY, Layout, layout, worst_severity
+
+__all__ = ["MARKS", "NOT_HELD", "layer_rank_text", "status_counts_text"]
+
+MARKS = {
+    "corrupted": "C",
+    "mismatch": "M",
+    "drift": "D",
+    "unwritten": "U",
+    "missing": "x",
+    "unreachable": "?",
+    "unexpected": "+",
+    "match": ".",
+}
+NOT_HELD = "-"  # the rank holds nothing of that part
+_SHOWN = 8  # ranks a totals line names before "+N more"
+assert set(MARKS) == set(SEVERITY)
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n:,} {word}{'s' if n != 1 else ''}"
+
+
+def _listing(items: list[str]) -> str:
+    more = len(items) - _SHOWN
+    return ", ".join(items[:_SHOWN]) + (f", +{more} more" if more > 0 else "")
+
+
+def _header(lay: Layout, shown: list[str]) -> tuple[list[tuple[str, list[str]]], int]:
+    """Header lines as (label, one string per rank column) and the cell width."""
+    if not lay.used:
+        return [("rank", list(shown))], max(len(r) for r in shown)
+    lines: list[tuple[str, list[str]]] = []
+    for c in lay.used:
+        values = ["" if pd.isna(x) else str(int(x)) for x in lay.coords.loc[shown, c]]
+        digits = max(len(x) for x in values)
+        for k in range(digits):  # tens above units: one character per rank
+            lines.append((c if k == digits - 1 else "", [x.rjust(digits)[k] for x in values]))
+    return lines, 1
+
+
+def _pick(worst: pd.DataFrame, max_ranks: int | None) -> list[str]:
+    """The ranks to draw: all of them, or the worst ``max_ranks`` (identity order breaks ties), in identity order."""
+    ranks = list(worst.columns)
+    if max_ranks is None or len(ranks) <= max_ranks:
+        return ranks
+    if max_ranks < 1:
+        raise ValueError(f"max_ranks must be at least 1, got {max_ranks}")
+    col_worst = worst.min().fillna(len(SEVERITY)).astype(int)
+    chosen = set(sorted(ranks, key=lambda r: (col_worst[r], ranks.index(r)))[:max_ranks])
+    return [r for r in ranks if r in chosen]
+
+
+def _totals(lay: Layout) -> list[str]:
+    """One line per status that occurs: its rows, and the ranks it is on."""
+    rows = lay.cells.drop_duplicates("row")
+    present = [(i, s) for i, s in enumerate(SEVERITY) if (rows["severity"] == i).any()]
+    width = max(len(s) for _, s in present)
+    counts = {i: int((rows["severity"] == i).sum()) for i, _ in present}
+    num = max(len(f"{n:,}") for n in counts.values())
+    out = []
+    for i, status in present:
+        line = f"{MARKS[status]} {status:<{width}}  {counts[i]:>{num},}"
+        if lay.used:
+            on = set(rows.loc[rows["severity"] == i, "rank"])
+            ranks = [r for r in lay.ranks if r in on]
+            line += f" on {_plural(len(ranks), 'rank')}" + ("" if status == "match" else f": {_listing(ranks)}")
+        out.append(line)
+    return out
+
+
+def layer_rank_text(verdicts: pd.DataFrame, *, max_ranks: int | None = None) -> str:
+    """The worst status per (model part, rank) as a terminal grid, a legend and per-status totals.
+
+    One line per model part (``embed``, ``layer N``, ``norm``, ``head``,
+    ``other``), one column per rank in identity order; a header line per rank
+    coordinate; each cell one mark of :data:`MARKS` (``-`` where the rank holds
+    nothing of that part). With ``max_ranks``, only that many ranks are drawn:
+    the ones with the worst findings first; a line says how many are left out.
+    Totals count every row of the frame, drawn or not.
+    """
+    lay = layout(verdicts)
+    if not lay.parts:
+        return "no verdicts"
+    worst = worst_severity(lay)
+    shown = _pick(worst, max_ranks)
+    header, cell = _header(lay, shown)
+    label = max(len(t) for t in [*lay.parts, *(h for h, _ in header)])
+
+    def line(name: str, cells: list[str]) -> str:
+        return (name.ljust(label) + "  " + " ".join(c.ljust(cell) for c in cells)).rstrip()
+
+    grid = worst[shown]
+    out = [line(name, values) for name, values in header]
+    for part, row in grid.iterrows():
+        out.append(line(str(part), [NOT_HELD if pd.isna(s) else MARKS[SEVERITY[int(s)]] for s in row]))
+    drawn = {int(s) for s in grid.stack().dropna()}
+    legend = [f"{MARKS[s]} {s}" for i, s in enumerate(SEVERITY) if i in drawn]
+    if grid.isna().any().any():
+        legend.append(f"{NOT_HELD} not held")
+    out.append("legend: " + "  ".join(legend))
+    hidden = [r for r in lay.ranks if r not in set(shown)]
+    if hidden:
+        bad = int((worst[hidden].min() < SEVERITY.index("match")).sum())
+        out.append(f"{len(hidden)} of {_plural(len(lay.ranks), 'rank')} not shown ({f'{bad} with findings' if bad else 'all match'})")
+    out.extend(_totals(lay))
+    return "\n".join(out)
+
+
+def status_counts_text(verdicts: pd.DataFrame) -> str:
+    """One line: ranks, verdicts, then each status that occurs, worst first, with how many ranks it is on.
+
+    ``4 ranks, 24 verdicts: 3 unwritten on 1 rank, 21 match``
+    """
+    lay = layout(verdicts)
+    rows = lay.cells.drop_duplicates("row")
+    n = len(verdicts)
+    parts = []
+    for i, status in enumerate(SEVERITY):
+        hit = rows[rows["severity"] == i]
+        if not len(hit):
+            continue
+        part = f"{len(hit):,} {status}"
+        if lay.used and status != "match":
+            part += f" on {_plural(hit['rank'].nunique(), 'rank')}"
+        parts.append(part)
+    head = (f"{_plural(len(lay.ranks), 'rank')}, " if lay.used else "") + _plural(n, "verdict")
+    return f"{head}: {', '.join(parts) or 'nothing to check'}"
