@@ -324,3 +324,26 @@ def test_no_orphan_processes(tmp_path: Path, how: str) -> None:
     finally:
         if driver.poll() is None:
             driver.kill()
+
+
+def test_moe_engine_with_data_parallel_replicas() -> None:
+    """Experts and a router on two DP replicas of TP 2: a stale replica rank is found by its coordinates."""
+    from wcviz.sim import TINY_MOE
+
+    with Cluster(TINY_MOE, EngineLayout(tp=2, pp=1, dp=2), allow_mutations=True, timeout_s=60) as c:
+        assert [(i.dp, i.pp, i.tp) for i in c.engine_ranks] == [(0, 0, 0), (0, 0, 1), (1, 0, 0), (1, 0, 1)]
+        report = c.endstate(faults={3: LoaderFaults(stale=True)})
+        v = report.verdicts
+        held = v[v["rank"] == 3]
+        assert set(held["status"]) == {"unwritten"} and set(v.loc[v["rank"] != 3, "status"]) == {"match"}
+        assert (held["dp"] == 1).all() and (held["tp"] == 1).all()
+        names = set(held["name"])
+        assert "model.layers.0.mlp.gate.weight" in names and "model.layers.2.mlp.experts.3.gate_up_proj.weight" in names
+        assert len(names) == 1 + 3 * (5 + 4 * 2) + 2  # embed; per layer 2 norms, qkv, o, router, 4 experts x 2; norm, head
+
+
+def test_a_second_check_after_a_partial_reload_is_not_void(healthy: Cluster) -> None:
+    """The skipped parameters still hold the first reset's poison; the next reset uses the other byte."""
+    first = healthy.endstate(faults=FAULTS["skip_down_proj"])
+    second = healthy.endstate()
+    assert _bad(first) == _bad(second) == _expected("skip_down_proj")

@@ -26,7 +26,7 @@ from wcviz.endstate import PHASES, classify, summary
 from wcviz.frame import IDENTITY
 from wcviz.sources._http import FAILED_COLUMNS, Targets, _normalize, act, fetch
 
-__all__ = ["PROBLEM_COLUMNS", "EndStateReport", "check_agents"]
+__all__ = ["PROBLEM_COLUMNS", "EndStateReport", "EndStateSession", "check_agents"]
 
 PROBLEM_COLUMNS = ("phase", "step", "url", "kind", "error", "role", "rank", "dp", "pp", "tp", "ep")
 
@@ -96,6 +96,105 @@ def _label(row: Mapping[str, Any]) -> str:
     return who + (f" ({coords})" if coords else "")
 
 
+class EndStateSession:
+    """The end-state check one phase at a time (what a dashboard's buttons drive).
+
+    :meth:`snapshot`, :meth:`reset`, :meth:`reload` each act on every agent and fetch
+    its digests; :meth:`report` classifies what was collected. The reset is
+    DESTRUCTIVE; see :func:`check_agents` for the arguments.
+    """
+
+    def __init__(
+        self,
+        urls: Targets,
+        *,
+        token: str | None,
+        reload: Callable[[], object] | None = None,
+        timeout_s: float = 60.0,
+        retries: int = 2,
+        client: Any = None,
+        transport: Any = None,
+    ) -> None:
+        self.targets, expected = _normalize(urls)
+        if not self.targets:
+            raise ValueError("the end-state check needs at least one agent URL")
+        self.urls = urls
+        self.token = token
+        self.reload_fn = reload
+        self.retries = retries
+        self.net: dict[str, Any] = {"client": client, "transport": transport, "timeout_s": timeout_s}
+        self.known: dict[str, dict[str, Any]] = {u: dict(e) for u, e in zip(self.targets, expected)}
+        self.problems: list[dict[str, Any]] = []
+        self.frames: dict[str, pd.DataFrame] = {}
+        self.answered: dict[str, int] = {}
+
+    def _problem(self, phase: str, step: str, url: str, kind: str, error: str) -> None:
+        self.problems.append({"phase": phase, "step": step, "url": url, "kind": kind, "error": error, **self.known.get(url, {})})
+
+    def _act(self, phase: str) -> None:
+        if phase == "reload" and self.reload_fn is not None:
+            try:
+                self.reload_fn()
+            except Exception as e:  # noqa: BLE001 - recorded against every rank; the digests show the damage
+                for u in self.targets:
+                    self._problem(phase, "reload", u, "failed", f"the reload callable failed: {type(e).__name__}: {e}")
+            return
+        res = act(self.urls, phase, token=self.token, **self.net)
+        for u, err in res.errors.items():
+            self._problem(phase, phase, u, "unreachable" if u in res.unreachable else "failed", err)
+
+    def _digests(self, phase: str) -> pd.DataFrame:
+        res = fetch(self.urls, retries=self.retries, **self.net)
+        for u, info in res.infos.items():
+            self.known[u] = {k: info.get(k) for k in ("role", "rank", "dp", "pp", "tp", "ep")}
+        for r in res.failed.to_dict(orient="records"):
+            self.known.setdefault(str(r["url"]), {}).update({k: r[k] for k in FAILED_COLUMNS if k in IDENTITY or k == "role"})
+            self._problem(phase, "digests", str(r["url"]), str(r["kind"]), str(r["error"]))
+        self.frames[phase] = res.frame.assign(phase=phase)
+        self.answered[phase] = res.answered
+        return self.frames[phase]
+
+    def _phase(self, phase: str) -> pd.DataFrame:
+        self.problems = [p for p in self.problems if p["phase"] != phase]  # a phase run again replaces its record
+        self._act(phase)
+        return self._digests(phase)
+
+    def snapshot(self) -> pd.DataFrame:
+        """Every agent records, and we fetch, its digests (phase ``snapshot``); starts a new check."""
+        self.problems, self.frames, self.answered = [], {}, {}
+        return self._phase("snapshot")
+
+    def reset(self) -> pd.DataFrame:
+        """DESTRUCTIVE: every agent poisons every parameter; the digests after it (phase ``reset``)."""
+        if "snapshot" not in self.frames:
+            raise RuntimeError("reset before snapshot: take the snapshot first, or nothing can be compared")
+        return self._phase("reset")
+
+    def reload(self) -> pd.DataFrame:
+        """Run the update again (the ``reload`` callable, else each agent's reload); the digests after it."""
+        return self._phase("reload")
+
+    @property
+    def problem_table(self) -> pd.DataFrame:
+        table = pd.DataFrame(self.problems, columns=list(PROBLEM_COLUMNS))
+        for c in PROBLEM_COLUMNS:
+            table[c] = table[c].astype("Int64" if c in IDENTITY else "string")
+        return table
+
+    def report(self, *, allow_partial_reset: bool = False) -> EndStateReport:
+        """Classify the three phases (raises :class:`wcviz.endstate.ResetNotCovered` if the reset fell short)."""
+        missing = [p for p in PHASES if p not in self.frames]
+        if missing:
+            raise RuntimeError(f"the end-state check has not run {', '.join(missing)} yet (order: snapshot, reset, reload)")
+        table = self.problem_table
+        silent = table[(table["step"] == "digests") | (table["kind"] == "unreachable")]
+        verdicts = classify(
+            self.frames["snapshot"], self.frames["reset"], self.frames["reload"],
+            allow_partial_reset=allow_partial_reset, unreachable=silent,
+        )  # fmt: skip
+        return EndStateReport(verdicts=verdicts, frames=dict(self.frames), problems=table, answered=dict(self.answered))
+
+
 def check_agents(
     urls: Targets,
     *,
@@ -122,57 +221,16 @@ def check_agents(
     """
     from tqdm.auto import tqdm
 
-    targets, expected = _normalize(urls)
-    if not targets:
-        raise ValueError("check_agents needs at least one agent URL")
-    known: dict[str, dict[str, Any]] = {u: dict(e) for u, e in zip(targets, expected)}
-    net: dict[str, Any] = {"client": client, "transport": transport, "timeout_s": timeout_s}
-    problems: list[dict[str, Any]] = []
-    frames: dict[str, pd.DataFrame] = {}
-    answered: dict[str, int] = {}
-    bar = tqdm(total=2 * len(PHASES), desc="end-state check", disable=not progress, leave=False)
-
-    def problem(phase: str, step: str, url: str, kind: str, error: str) -> None:
-        problems.append({"phase": phase, "step": step, "url": url, "kind": kind, "error": error, **known.get(url, {})})
-
-    def do(phase: str) -> None:
-        if phase == "reload" and before_reload is not None:
-            before_reload()
-        if phase == "reload" and reload is not None:
-            try:
-                reload()
-            except Exception as e:  # noqa: BLE001 - recorded against every rank; the digests below show the damage
-                for u in targets:
-                    problem(phase, "reload", u, "failed", f"the reload callable failed: {type(e).__name__}: {e}")
-        else:
-            res = act(urls, phase, token=token, **net)
-            for u, err in res.errors.items():
-                problem(phase, phase, u, "unreachable" if u in res.unreachable else "failed", err)
-        bar.update()
-
-    def digests(phase: str) -> None:
-        res = fetch(urls, retries=retries, **net)
-        for u, info in res.infos.items():
-            known[u] = {k: info.get(k) for k in ("role", "rank", "dp", "pp", "tp", "ep")}
-        for r in res.failed.to_dict(orient="records"):
-            known.setdefault(str(r["url"]), {}).update({k: r[k] for k in FAILED_COLUMNS if k in IDENTITY or k == "role"})
-            problem(phase, "digests", str(r["url"]), str(r["kind"]), str(r["error"]))
-        frames[phase] = res.frame.assign(phase=phase)
-        answered[phase] = res.answered
-        bar.update()
-
-    try:
-        for phase in PHASES:
-            do(phase)
-            digests(phase)
-    finally:
-        bar.close()
-
-    table = pd.DataFrame(problems, columns=list(PROBLEM_COLUMNS))
-    for c in PROBLEM_COLUMNS:
-        table[c] = table[c].astype("Int64" if c in IDENTITY else "string")
-    silent = table[(table["step"] == "digests") | (table["kind"] == "unreachable")]
-    verdicts = classify(
-        frames["snapshot"], frames["reset"], frames["reload"], allow_partial_reset=allow_partial_reset, unreachable=silent
+    session = EndStateSession(
+        urls, token=token, reload=reload, timeout_s=timeout_s, retries=retries, client=client, transport=transport
     )
-    return EndStateReport(verdicts=verdicts, frames=frames, problems=table, answered=answered)
+    with tqdm(total=len(PHASES), desc="end-state check", disable=not progress, leave=False) as bar:
+        session.snapshot()
+        bar.update()
+        session.reset()
+        bar.update()
+        if before_reload is not None:
+            before_reload()
+        session.reload()
+        bar.update()
+    return session.report(allow_partial_reset=allow_partial_reset)

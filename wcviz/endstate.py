@@ -48,6 +48,7 @@ __all__ = [
     "ENDSTATE_STATUSES",
     "PHASES",
     "POISON_BYTE",
+    "POISON_BYTES",
     "EngineLeftPoisoned",
     "ResetNotCovered",
     "classify",
@@ -60,6 +61,7 @@ __all__ = [
 ENDSTATE_STATUSES = ("corrupted", "unwritten", "missing", "unreachable", "unexpected", "match")  # most severe first
 PHASES = ("snapshot", "reset", "reload")
 POISON_BYTE = 0xA5  # 1010_0101: no float8/16/32/64 NaN, no common init value, never all-zero
+POISON_BYTES = (POISON_BYTE, 0x5A)  # alternate resets use the other: a leftover poison still changes
 
 _KEYS = [*IDENTITY, "name"]
 _SHOWN = 8  # ranks / parameters an error or summary names before "+N more"
@@ -102,8 +104,12 @@ def poison_(
     tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]] | torch.nn.Module,
     *,
     include_buffers: bool = False,
+    byte: int = POISON_BYTE,
 ) -> None:
-    """Overwrite every byte of every tensor, in place, with :data:`POISON_BYTE`.
+    """Overwrite every byte of every tensor, in place, with ``byte`` (one of :data:`POISON_BYTES`).
+
+    Alternate the byte between resets: a parameter a failed reload left holding the
+    last poison would not change under the same poison again, and the check would be void.
 
     Works on bytes (each tensor is viewed as a same-width integer), so every dtype
     is poisoned alike - bool, float8, bf16, 0-d, all-zero, strided views - and the
@@ -117,6 +123,8 @@ def poison_(
     """
     import torch
 
+    if byte not in POISON_BYTES:
+        raise ValueError(f"poison byte must be one of {', '.join(hex(b) for b in POISON_BYTES)} (never NaN in any float format), got {byte!r}")
     widths = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
     with torch.no_grad():
         for name, t in _named(tensors, include_buffers):
@@ -135,7 +143,7 @@ def poison_(
             if w.dtype != width:
                 w = w.view(width)
             n = w.element_size()
-            w.fill_(POISON_BYTE if n == 1 else int.from_bytes(bytes([POISON_BYTE]) * n, "little", signed=True))
+            w.fill_(byte if n == 1 else int.from_bytes(bytes([byte]) * n, "little", signed=True))
 
 
 # --------------------------------------------------------------------------- frames

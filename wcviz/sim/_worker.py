@@ -175,6 +175,7 @@ class Engine(_Rank):
         self.metadata = {n: (s, dtype) for n, s in parameter_shapes(spec.cfg).items()}  # full HF tensors arrive
         self.checkpoint: str | None = None
         self.written: set[str] = set()
+        self.resets = 0
 
     def named(self) -> dict[str, torch.Tensor]:
         return self.shard.params
@@ -213,11 +214,14 @@ class Engine(_Rank):
         return {"params": len(self.shard.params)}
 
     def reset(self) -> dict[str, Any]:
-        from wcviz.endstate import poison_
+        """Poison every parameter, alternating the byte so a leftover poison from the last check changes too."""
+        from wcviz.endstate import POISON_BYTES, poison_
 
+        byte = POISON_BYTES[self.resets % len(POISON_BYTES)]
         with self.lock:
-            poison_(self.shard.params)
-        return {"params": len(self.shard.params)}
+            poison_(self.shard.params, byte=byte)
+            self.resets += 1
+        return {"params": len(self.shard.params), "byte": byte}
 
     def reload(self) -> dict[str, Any]:
         """Load the last checkpoint the driver pointed this rank at, through the same (faulty) loader."""
