@@ -155,17 +155,19 @@ def test_constructor_checks() -> None:
         Agent(_weights(), role="engine", rank=0)  # type: ignore[arg-type]
 
 
-def test_fetch_in_process_and_sync_wrapper_refuses_running_loop() -> None:
+def test_fetch_in_process_and_inside_a_running_loop() -> None:
     agent = Agent(_weights, role="engine", rank=5, tp=1)
     result = fetch(["http://agent"], transport=httpx.ASGITransport(app=agent.app))
     assert result.complete and result.summary == "1 of 1 ranks answered"
     assert set(result.frame["rank"]) == {5} and len(result.frame) == 4
     assert list(result.frame.columns) == [*COLUMNS, "url"]
 
-    async def inside() -> None:
-        with pytest.raises(RuntimeError, match="await fetch_agents"):
-            fetch(["http://agent"], transport=httpx.ASGITransport(app=agent.app))
+    async def inside() -> None:  # a Jupyter kernel: the blocking call runs on a helper thread's loop
+        in_loop = fetch(["http://agent"], transport=httpx.ASGITransport(app=agent.app))
+        pd.testing.assert_frame_equal(in_loop.frame.drop(columns="seconds"), result.frame.drop(columns="seconds"))
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=agent.app)) as client:
+            with pytest.raises(RuntimeError, match="await fetch_agents"):  # its client belongs to this loop
+                fetch(["http://agent"], client=client)
             awaited = await fetch_agents("http://agent/", client=client)
             assert not client.is_closed  # a client given is the caller's to close
         assert awaited.complete and awaited.urls == ("http://agent",)

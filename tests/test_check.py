@@ -160,3 +160,13 @@ def test_cli_endstate_reports_and_exits_1_on_a_partial_reload(ranks: list[Rank],
     assert "1 unwritten on 1 rank (rank 0 (pp=0 tp=0))" in out
     v = pd.read_parquet(tmp_path / "es" / "verdicts.parquet")
     assert v.loc[v["status"] == "unwritten", "name"].tolist() == ["model.norm.weight"]
+
+
+def test_check_runs_inside_a_running_event_loop(ranks: list[Rank]) -> None:
+    """A Jupyter kernel runs an event loop: the blocking API must still work there."""
+    import asyncio
+
+    async def in_kernel() -> object:
+        return check_agents(_urls(ranks), token=TOKEN)
+
+    assert asyncio.run(in_kernel()).ok

@@ -278,11 +278,20 @@ async def fetch_agents(
 
 
 def _blocking(what: str, coro_fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """Run ``coro_fn`` to completion; inside a running loop (a Jupyter kernel), on a fresh loop in a helper thread.
+
+    A caller-provided ``client`` is bound to its own loop, so it cannot be used from the helper thread.
+    """
     try:
         asyncio.get_running_loop()
     except RuntimeError:
         return asyncio.run(coro_fn(*args, **kwargs))
-    raise RuntimeError(f"{what}() was called inside a running event loop; use 'await {coro_fn.__name__}(...)' there instead")
+    if kwargs.get("client") is not None:
+        raise RuntimeError(f"{what}() with a client was called inside a running event loop; use 'await {coro_fn.__name__}(...)' there")
+    import concurrent.futures
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"wcviz-{what}") as pool:
+        return pool.submit(asyncio.run, coro_fn(*args, **kwargs)).result()
 
 
 def fetch(urls: Targets, **kwargs: Any) -> FetchResult:

@@ -1,0 +1,463 @@
+"""The dashboard (wcviz.widgets) driven without a browser: clicks, methods and value changes.
+
+Agents run in this process on loopback over small dicts of tensors; one test drives a
+real simulated cluster. Assertions are on the state the widgets hold after each click.
+"""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import ipywidgets as widgets
+import pandas as pd
+import pytest
+import torch
+
+import wcviz
+from wcviz.agent import Agent
+from wcviz.endstate import poison_
+from wcviz.sources import fetch, from_named_tensors
+from wcviz.widgets import CLASSES, VIEWS, Dashboard
+
+TOKEN = "s3cret"
+PNG = b"\x89PNG\r\n\x1a\n"
+NAMES = [f"model.layers.{i}.mlp.down_proj.weight" for i in range(3)] + ["model.norm.weight"]
+
+
+class Rank:
+    """One rank's weights behind an agent: reset poisons, reload restores from a copy (minus ``skip``)."""
+
+    def __init__(self, rank: int, *, mutations: bool = True) -> None:
+        g = torch.Generator().manual_seed(rank)
+        self.truth = {
+            n: torch.randn(8, 8, generator=g) if "layers" in n else torch.randn(8, generator=g) for n in NAMES
+        }
+        self.params = {n: t.clone() for n, t in self.truth.items()}
+        self.skip: str | None = None
+        self.agent = Agent(
+            lambda: self.params, role="engine", rank=rank, pp=0, tp=rank,
+            token=TOKEN if mutations else None, allow_mutations=mutations,
+            snapshot=lambda: {"params": len(self.params)}, reset=lambda: poison_(self.params), reload=self.reload,
+        )  # fmt: skip
+
+    def reload(self) -> dict:
+        for n, t in self.truth.items():
+            if self.skip is None or self.skip not in n:
+                self.params[n].copy_(t)
+        return {"written": len(self.params)}
+
+    def intact(self) -> bool:
+        return all(torch.equal(self.params[n], self.truth[n]) for n in NAMES)
+
+
+def _start(ranks: list[Rank]) -> Iterator[list[Rank]]:
+    for r in ranks:
+        r.agent.start()
+    yield ranks
+    for r in ranks:
+        r.agent.stop()
+
+
+@pytest.fixture
+def ranks() -> Iterator[list[Rank]]:
+    yield from _start([Rank(0), Rank(1)])
+
+
+@pytest.fixture
+def readonly() -> Iterator[list[Rank]]:
+    yield from _start([Rank(0, mutations=False), Rank(1, mutations=False)])
+
+
+def _urls(ranks: list[Rank]) -> dict[str, dict]:
+    return {r.agent.url: {"role": "engine", "rank": r.agent.rank, "pp": 0, "tp": r.agent.rank} for r in ranks}
+
+
+def _classes(w: widgets.Widget) -> set[str]:
+    return set(w._dom_classes)
+
+
+def _find(root: widgets.Widget, css: str) -> list[widgets.Widget]:
+    """Every widget under ``root`` (itself included) with CSS class ``css``."""
+    found = [root] if css in _classes(root) else []
+    for child in getattr(root, "children", ()):
+        found += _find(child, css)
+    return found
+
+
+def _shown(dash: Dashboard) -> widgets.Widget:
+    (child,) = dash.view_area.children
+    return child
+
+
+def _check(dash: Dashboard) -> None:
+    dash.buttons["snapshot"].click()
+    dash.reset(confirm=True)
+    dash.buttons["reload"].click()
+    dash.buttons["compare"].click()
+
+
+# --------------------------------------------------------------------------- agents
+
+
+def test_every_part_has_its_css_class(ranks: list[Rank]) -> None:
+    dash = Dashboard(_urls(ranks), token=TOKEN)
+    assert _classes(dash.widget) == {"wcviz-dashboard"} and isinstance(dash.widget, widgets.VBox)
+    for key, css in CLASSES.items():
+        if key in ("dashboard", "heatmap", "topology", "drilldown", "table"):
+            continue  # the view area holds one of the last four at a time
+        assert len(_find(dash.widget, css)) == 1, css
+    assert dash.buttons["reset"] is _find(dash.widget, "wcviz-reset")[0]
+    assert _find(dash.widget, "wcviz-reset-yes")[0].description == "Yes, poison every weight"
+    assert _find(dash.widget, "wcviz-reset-yes")[0].button_style == "danger"
+    assert isinstance(dash.progress, widgets.IntProgress) and dash.progress.layout.display == "none"
+    assert list(dash.view.options) == list(VIEWS)
+    assert dash.status_text == "2 agents; nothing fetched yet"
+    assert "wcviz-empty" in _classes(_shown(dash)) and dash.verdicts is None
+    assert dash.error_text == "" and dash.errors.layout.display == "none"
+    bundle = dash._repr_mimebundle_()
+    assert "application/vnd.jupyter.widget-view+json" in bundle
+    assert bundle["application/vnd.jupyter.widget-view+json"]["model_id"] == dash.widget.model_id
+
+
+def test_fetch_button_fills_current(ranks: list[Rank]) -> None:
+    dash = Dashboard([r.agent.url for r in ranks], token=TOKEN)
+    dash.buttons["fetch"].click()
+    assert dash.status_text == "fetch: 2 of 2 ranks answered; 8 parameters"
+    assert len(dash.current) == 8 and dash.fetch_result.complete
+    assert sorted(dash.current["rank"].unique().tolist()) == [0, 1]
+    assert list(dash.role.options) == [("all", "all"), ("engine", "engine")]
+
+
+def test_reset_asks_first_and_changes_nothing_until_confirmed(ranks: list[Rank]) -> None:
+    dash = Dashboard(_urls(ranks), token=TOKEN)
+    snap = dash.snapshot()
+    assert dash.status_text == "snapshot done; 2 of 2 ranks answered; 8 parameters"
+    assert not dash.confirm_open
+    dash.buttons["reset"].click()
+    assert dash.confirm_open and "poisons every weight on 2 ranks" in dash.confirm_text.value
+    assert dash.reset() is None and "reset" not in dash.frames
+    assert all(r.intact() for r in ranks)
+    now = fetch(_urls(ranks)).frame
+    assert now["digest"].tolist() == snap["digest"].tolist()  # the agents' digests did not move
+    dash.reset_cancel.click()
+    assert not dash.confirm_open and all(r.intact() for r in ranks)
+    assert dash.status_text == "snapshot done; 2 of 2 ranks answered; 8 parameters"
+
+    seen: list[int] = []
+    dash.progress.observe(lambda c: seen.append(c["new"]), names="value")
+    dash.buttons["reset"].click()
+    dash.reset_yes.click()
+    assert not dash.confirm_open and seen == [0, 1, 2]  # acted, then fetched
+    assert not any(torch.equal(r.params[n], r.truth[n]) for r in ranks for n in NAMES)
+    assert dash.status_text == "reset done; 2 of 2 ranks answered; 8 parameters; 8 of 8 changed by the reset"
+    assert not set(dash.frames["reset"]["digest"]) & set(snap["digest"])
+    assert dash.progress.layout.display == "none"
+
+
+def test_reload_and_compare_name_the_skipped_parameter(ranks: list[Rank]) -> None:
+    ranks[1].skip = "layers.2."
+    dash = Dashboard(_urls(ranks), token=TOKEN)
+    _check(dash)
+    v = dash.verdicts
+    assert v["status"].value_counts().to_dict() == {"match": 7, "unwritten": 1}
+    bad = v[v["status"] != "match"]
+    assert [(int(r.rank), int(r.tp), r.name) for r in bad.itertuples()] == [
+        (1, 1, "model.layers.2.mlp.down_proj.weight")
+    ]
+    assert dash.status_text == "2 of 2 ranks answered; 1 parameter unwritten on 1 rank; 7 match"
+    assert dash.report is not None and not dash.report.ok and set(dash.frames) == {"snapshot", "reset", "reload"}
+    assert "unwritten on 1 rank (rank 1 (pp=0 tp=1))" in dash.report.summary()
+    assert dash.error_text == ""
+    assert "wcviz-heatmap" in _classes(_shown(dash)) and bytes(_shown(dash).value[:8]) == PNG
+    assert list(dash.status.options) == [
+        ("all", "all"),
+        ("not match (1)", "not match"),
+        ("unwritten (1)", "unwritten"),
+        ("match (7)", "match"),
+    ]
+    # healed: the next check (a new snapshot) starts clean and finds nothing
+    ranks[1].skip = None
+    dash.reload()
+    _check(dash)
+    assert dash.status_text == "2 of 2 ranks answered; all 8 parameters match" and dash.report.ok
+
+
+def test_view_switching_filters_and_search(ranks: list[Rank]) -> None:
+    ranks[0].skip = "norm"
+    dash = Dashboard(_urls(ranks), token=TOKEN)
+    _check(dash)
+    dash.set_view("table")
+    table = _shown(dash)
+    assert isinstance(table, widgets.HTML) and "wcviz-table" in _classes(table)
+    assert "8 of 8 verdicts" in table.value and 'id="T_wcviz-verdicts' in table.value
+    dash.status.value = "unwritten"
+    assert dash.table[["rank", "name"]].values.tolist() == [[0, "model.norm.weight"]]
+    html = _shown(dash).value
+    assert "1 of 8 verdicts" in html and "model.norm.weight" in html and "down_proj" not in html
+    dash.status.value = "all"
+    dash.search.value = r"layers\.[01]\."
+    assert len(dash.table) == 4 and "4 of 8 verdicts" in _shown(dash).value
+    dash.search.value = "layers.2"
+    assert sorted(dash.table["rank"].tolist()) == [0, 1]
+    for view, css in (
+        ("topology", "wcviz-topology"),
+        ("drill-down", "wcviz-drilldown"),
+        ("layer × rank", "wcviz-heatmap"),
+    ):
+        dash.set_view(view)
+        shown = _shown(dash)
+        assert isinstance(shown, widgets.Image) and css in _classes(shown), view
+        assert bytes(shown.value[:8]) == PNG
+    dash.set_view("drill-down")
+    dash.search.value = ""
+    assert dash.drilldown_name == "model.norm.weight"  # the worst row when nothing is searched
+    dash.search.value = "no-such-parameter"
+    assert "wcviz-empty" in _classes(_shown(dash)) and dash.drilldown_name is None
+    with pytest.raises(ValueError, match="unknown view 'pie'"):
+        dash.set_view("pie")
+    assert dash.error_text == ""
+
+
+def test_wrong_token_fails_the_phases_never_as_success(ranks: list[Rank]) -> None:
+    dash = Dashboard(_urls(ranks), token="wrong")
+    dash.snapshot()
+    assert dash.status_text == "snapshot FAILED on 2 of 2 ranks; 2 of 2 ranks answered; 8 parameters"
+    dash.reset(confirm=True)
+    assert (
+        dash.status_text
+        == "reset FAILED on 2 of 2 ranks; 2 of 2 ranks answered; 8 parameters; 0 of 8 changed by the reset"
+    )
+    assert all(r.intact() for r in ranks)
+    lines = dash.error_text.splitlines()
+    assert len(lines) == 4 and all("HTTP 401" in line for line in lines)
+    assert lines[2].startswith("reset/reset: engine 0 (pp=0 tp=0) failed: HTTP 401: reset needs 'Authorization: Bearer")
+    assert dash.errors.layout.display != "none" and "HTTP 401" in dash.errors.value
+    dash.reload()
+    dash.buttons["compare"].click()  # the reset changed nothing: the check is void
+    assert dash.verdicts is None
+    assert dash.status_text.startswith("compare FAILED: ResetNotCovered: reset changed only 0 of 8 parameters")
+    assert "compare: ResetNotCovered: reset changed only 0 of 8" in dash.error_text
+    with pytest.raises(Exception, match="reset changed only 0 of 8"):
+        dash.compare()  # from Python the error is raised as well as shown
+    assert [a for a, _ in dash.exceptions] == ["compare", "compare"]
+    dash.clear_errors()
+    assert not dash.exceptions and "compare:" not in dash.error_text and "HTTP 401" in dash.error_text
+
+
+def test_reset_before_snapshot_is_an_error_not_a_reset(ranks: list[Rank]) -> None:
+    dash = Dashboard(_urls(ranks), token=TOKEN)
+    dash.buttons["reset"].click()
+    assert not dash.confirm_open and all(r.intact() for r in ranks)
+    assert (
+        dash.error_text
+        == "reset: RuntimeError: reset before snapshot: take the snapshot first, or nothing can be compared"
+    )
+    assert dash.status_text.startswith("reset FAILED: RuntimeError: reset before snapshot")
+
+
+def test_readonly_agents_disable_the_mutations(readonly: list[Rank]) -> None:
+    dash = Dashboard(_urls(readonly), token=TOKEN)
+    for name in ("snapshot", "reset", "reload"):
+        b = dash.buttons[name]
+        assert b.disabled and "start its agent with allow_mutations=True" in b.tooltip, name
+    assert not dash.buttons["fetch"].disabled and not dash.buttons["compare"].disabled
+    assert dash.status_text.startswith(
+        "2 agents; nothing fetched yet; Snapshot, Reset and Reload are off: mutations are off on http://"
+    )
+    dash.buttons["reset"].click()  # a click that reaches a disabled button changes nothing
+    assert not dash.confirm_open and all(r.intact() for r in readonly)
+    assert dash.error_text.startswith("reset: PermissionError: reset is disabled: mutations are off on")
+    dash.fetch()
+    assert dash.status_text == "fetch: 2 of 2 ranks answered; 8 parameters"
+
+
+def test_no_token_disables_the_mutations(ranks: list[Rank]) -> None:
+    dash = Dashboard([r.agent.url for r in ranks])
+    assert dash.buttons["reset"].disabled and "no token given" in dash.buttons["reset"].tooltip
+    with pytest.raises(PermissionError, match="no token given"):
+        dash.reset(confirm=True)
+    assert all(r.intact() for r in ranks)
+
+
+def test_an_agent_that_died_shows_in_errors_and_verdicts(ranks: list[Rank]) -> None:
+    dash = Dashboard(_urls(ranks), token=TOKEN, timeout_s=5, retries=0)
+    dash.snapshot()
+    ranks[1].agent.stop()
+    dash.fetch()
+    assert dash.status_text == "fetch: 1 of 2 ranks answered; 1 unreachable; 4 parameters"
+    assert re.search(r"^fetch: engine 1 \(pp=0 tp=1\) unreachable: ConnectError", dash.error_text, re.MULTILINE)
+    dash.reset(confirm=True)
+    assert (
+        dash.status_text
+        == "reset FAILED on 1 of 2 ranks; 1 of 2 ranks answered; 4 parameters; 4 of 4 changed by the reset"
+    )
+    dash.reload()
+    dash.compare()
+    v = dash.verdicts
+    assert {int(k): set(g) for k, g in v.groupby("rank")["status"]} == {0: {"match"}, 1: {"unreachable"}}
+    assert (
+        dash.status_text
+        == "RELOAD FAILED on engine 1 (pp=0 tp=1): still poisoned; 1 of 2 ranks answered; 4 match; 3 problems (see errors)"
+    )
+    assert "reload/reload: engine 1 (pp=0 tp=1) unreachable" in dash.error_text
+
+
+def test_works_inside_a_running_event_loop(ranks: list[Rank]) -> None:
+    """A Jupyter kernel runs cells inside an event loop, where the blocking fetchers cannot run."""
+    dash = Dashboard(_urls(ranks), token=TOKEN)
+
+    async def cell() -> None:
+        dash.fetch()
+        _check(dash)
+
+    asyncio.run(cell())
+    assert dash.status_text == "2 of 2 ranks answered; all 8 parameters match" and dash.error_text == ""
+
+
+# --------------------------------------------------------------------------- frames in memory
+
+
+def _frame(tensors: dict[str, torch.Tensor], phase: str, **ident: int) -> pd.DataFrame:
+    return from_named_tensors(tensors, role="engine", phase=phase, progress=False, **ident)
+
+
+def _phases() -> dict[str, pd.DataFrame]:
+    out: dict[str, list[pd.DataFrame]] = {"snapshot": [], "reset": [], "reload": []}
+    for rank in (0, 1):
+        r = Rank(rank)
+        out["snapshot"].append(_frame(r.params, "snapshot", rank=rank, pp=0, tp=rank))
+        poison_(r.params)
+        out["reset"].append(_frame(r.params, "reset", rank=rank, pp=0, tp=rank))
+        r.skip = "layers.1." if rank == 0 else None
+        r.reload()
+        out["reload"].append(_frame(r.params, "reload", rank=rank, pp=0, tp=rank))
+    return {p: pd.concat(fs, ignore_index=True) for p, fs in out.items()}
+
+
+def test_endstate_frames_in_memory() -> None:
+    dash = Dashboard(_phases())
+    for name in ("fetch", "snapshot", "reset", "reload"):
+        b = dash.buttons[name]
+        assert b.disabled and b.tooltip == "frames in memory: there are no agents to fetch from or act on", name
+    assert not dash.buttons["compare"].disabled
+    assert dash.status_text == "2 ranks; 1 parameter unwritten on 1 rank; 7 match"
+    assert dash.report is not None and "unwritten on 1 rank (rank 0 (pp=0 tp=0))" in dash.report.summary()
+    dash.verdicts = None
+    dash.buttons["compare"].click()
+    assert dash.verdicts["status"].value_counts().to_dict() == {"match": 7, "unwritten": 1}
+    assert bytes(_shown(dash).value[:8]) == PNG
+    dash.buttons["fetch"].click()
+    assert (
+        dash.error_text
+        == "fetch: RuntimeError: fetch is disabled: frames in memory have no agents to fetch from or act on"
+    )
+    with pytest.raises(RuntimeError, match="reset is disabled"):
+        dash.reset(confirm=True)
+
+
+def test_expected_actual_frames_and_role_filter() -> None:
+    g = torch.Generator().manual_seed(7)
+    weights = {n: torch.randn(4, generator=g) for n in NAMES}
+    expected = from_named_tensors(weights, role="checkpoint", progress=False)
+    bent = {**weights, NAMES[1]: weights[NAMES[1]] + 1}
+    actual = pd.concat(
+        [
+            _frame(weights, "current", rank=0, pp=0, tp=0),
+            _frame(bent, "current", rank=1, pp=0, tp=1).assign(role="trainer"),
+        ],
+        ignore_index=True,
+    )
+    dash = Dashboard({"expected": expected, "actual": actual})
+    assert dash.status_text == "2 ranks; 1 parameter mismatch on 1 rank; 7 match"
+    assert list(dash.role.options) == [("all", "all"), ("engine", "engine"), ("trainer", "trainer")]
+    dash.set_view("table")
+    dash.role.value = "engine"
+    assert len(dash.table) == 4 and set(dash.table["status"]) == {"match"}
+    dash.role.value = "trainer"
+    dash.status.value = "mismatch"
+    assert dash.table["name"].tolist() == [NAMES[1]]
+    dash.set_view("drill-down")
+    assert dash.drilldown_name == NAMES[1] and "wcviz-drilldown" in _classes(_shown(dash))
+    assert "expected" in dash.view_text and "actual" in dash.view_text
+    dash.set_view("topology")
+    assert "wcviz-topology" in _classes(_shown(dash)) and dash.error_text == ""
+
+
+def test_verdict_frame_in_memory() -> None:
+    v = pd.DataFrame({
+        "rank": pd.array([0, 0, 1, 1], dtype="Int64"), "dp": pd.array([pd.NA] * 4, dtype="Int64"),
+        "pp": pd.array([0, 0, 0, 0], dtype="Int64"), "tp": pd.array([0, 0, 1, 1], dtype="Int64"),
+        "ep": pd.array([pd.NA] * 4, dtype="Int64"), "name": pd.array([NAMES[0], NAMES[3]] * 2, dtype="string"),
+        "status": pd.array(["match", "match", "corrupted", "match"], dtype="string"),
+    })  # fmt: skip
+    dash = Dashboard(v)
+    assert dash.status_text == "2 ranks; 1 parameter corrupted on 1 rank; 3 match"
+    assert "wcviz-heatmap" in _classes(_shown(dash))
+    dash.set_view("table")
+    dash.status.value = "not match"
+    assert dash.table["name"].tolist() == [NAMES[0]] and int(dash.table["rank"].iloc[0]) == 1
+    with pytest.raises(ValueError, match="no digest_<phase> columns"):
+        dash.set_view("drill-down")  # a verdict frame without digests has nothing to drill into
+    assert "the drill-down view failed: ValueError" in _shown(dash).value
+    assert (
+        dash.error_text
+        == "view: ValueError: the drill-down needs digests: this verdict frame has no digest_<phase> columns"
+    )
+    assert dash.status_text == "2 ranks; 1 parameter corrupted on 1 rank; 3 match"  # the status stays the check's
+
+
+def test_source_errors() -> None:
+    with pytest.raises(TypeError, match="verdict frame"):
+        Dashboard(pd.DataFrame({"name": ["a"]}))
+    with pytest.raises(ValueError, match="snapshot, reset, reload or expected, actual"):
+        Dashboard({"snapshot": pd.DataFrame()})
+    with pytest.raises(TypeError, match="got int"):
+        Dashboard(3)
+
+
+def test_nothing_else_in_wcviz_imports_the_widgets() -> None:
+    """ipywidgets stays optional: only wcviz/widgets.py imports it, and no module imports wcviz.widgets."""
+    package = Path(wcviz.__file__).parent
+    offenders = []
+    for path in sorted(package.rglob("*.py")):
+        if path.name == "widgets.py" and path.parent == package:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom):
+                names = [node.module or ""] + [f"{node.module}.{a.name}" for a in node.names]
+            if any(n.split(".")[0] == "ipywidgets" or n.startswith("wcviz.widgets") for n in names):
+                offenders.append(f"{path.relative_to(package)}:{node.lineno}")
+    assert offenders == []
+
+
+# --------------------------------------------------------------------------- a real cluster
+
+
+@pytest.mark.slow
+def test_cluster_dashboard_finds_the_loader_fault() -> None:
+    from wcviz.sim import TINY, Cluster, EngineLayout, LoaderFaults
+
+    with Cluster(TINY, EngineLayout(tp=2, pp=1), allow_mutations=True, timeout_s=60) as cluster:
+        cluster.set_faults({1: LoaderFaults(skip=r"mlp\.down_proj")})
+        dash = Dashboard(cluster)
+        assert dash.token == cluster.token and not dash.buttons["reset"].disabled
+        assert dash.status_text == "2 agents; nothing fetched yet"
+        _check(dash)
+        assert dash.error_text == ""
+        assert dash.transport is not None and dash.transport.ok and dash.report.transport is dash.transport
+        v = dash.verdicts
+        bad = v[v["status"] != "match"]
+        n = len(v)
+        assert sorted(bad["name"]) == [f"model.layers.{i}.mlp.down_proj.weight" for i in range(TINY.layers)]
+        assert set(bad["rank"]) == {1} and set(bad["status"]) == {"unwritten"}
+        assert (
+            dash.status_text
+            == f"2 of 2 ranks answered; {len(bad)} parameters unwritten on 1 rank; {n - len(bad)} match"
+        )
+        dash.set_view("topology")
+        assert "wcviz-topology" in _classes(_shown(dash)) and bytes(_shown(dash).value[:8]) == PNG

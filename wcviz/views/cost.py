@@ -1,0 +1,117 @@
+"""What a checksum costs: throughput per model and digest backend (a :func:`wcviz.bench.checksum_cost` frame).
+
+::
+
+    model        backend  device  tensors      size  seconds  GB/s
+    llama-tiny   torch    cpu          30  249.2 kB   0.0800  0.00
+    llama-tiny   numba    cpu          30  249.2 kB   0.0020  0.12
+    llama-small  numba    cpu          57   20.0 MB   0.0700  0.29
+
+Reads the cost frame's columns ``model``, ``backend``, ``nbytes``, ``seconds``
+(and ``device``, ``params``, ``gbps`` when present); nothing is measured here.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import pandas as pd
+
+from wcviz._errors import TableError
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
+
+__all__ = ["cost_text", "plot_cost"]
+
+_REQUIRED = ("model", "backend", "nbytes", "seconds")
+# Okabe-Ito, in order: one hue per backend (statuses keep their own colours)
+_BACKEND_COLORS = ("#0072B2", "#E69F00", "#009E73", "#CC79A7", "#56B4E9", "#D55E00", "#F0E442", "#000000")
+
+
+def _checked(cost: pd.DataFrame) -> pd.DataFrame:
+    if not isinstance(cost, pd.DataFrame):
+        raise TableError(f"expected a cost DataFrame, got {type(cost).__name__}")
+    missing = [c for c in _REQUIRED if c not in cost]
+    if missing:
+        raise TableError(f"not a cost frame: no {', '.join(repr(c) for c in missing)} column (see wcviz.bench.checksum_cost)")
+    out = cost.reset_index(drop=True).copy()
+    if "gbps" not in out:
+        out["gbps"] = out["nbytes"] / out["seconds"] / 1e9
+    if "device" not in out:
+        out["device"] = pd.NA
+    out["label"] = out["model"].astype(str)
+    out["series"] = out["backend"].astype(str)
+    if out["device"].nunique(dropna=True) > 1:  # the same backend on two devices is two bars
+        out["series"] = out["series"] + " on " + out["device"].astype(str)
+    return out
+
+
+def _size(nbytes: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:,.1f} {unit}"
+    return f"{int(nbytes)} B"
+
+
+def cost_text(cost: pd.DataFrame) -> str:
+    """The cost frame as a terminal table: one line per (model, backend), seconds and GB/s last."""
+    c = _checked(cost)
+    if not len(c):
+        return "no measurements"
+    table = pd.DataFrame({
+        "model": c["model"].astype(str),
+        "backend": c["backend"].astype(str),
+        "device": c["device"].astype("object").where(c["device"].notna(), "-").astype(str),
+        "tensors": c["params"].map(lambda n: "-" if pd.isna(n) else f"{int(n):,}") if "params" in c else "-",
+        "size": c["nbytes"].map(_size),
+        "seconds": c["seconds"].map(lambda s: f"{s:.4f}"),
+        "GB/s": c["gbps"].map(lambda g: f"{g:.2f}"),
+    })
+    right = {"tensors", "size", "seconds", "GB/s"}
+    widths = {k: max(len(k), *(len(v) for v in table[k])) for k in table}
+
+    def line(values: dict[str, str]) -> str:
+        return "  ".join(v.rjust(widths[k]) if k in right else v.ljust(widths[k]) for k, v in values.items()).rstrip()
+
+    out = [line({k: k for k in table})]
+    out.extend(line(dict(row)) for _, row in table.iterrows())
+    return "\n".join(out)
+
+
+def plot_cost(cost: pd.DataFrame, *, ax: Axes | None = None) -> Figure:
+    """Grouped bars of checksum throughput (GB/s): a group per model, a bar per backend, seconds on each bar.
+
+    Models keep the frame's order; a backend measured on several devices is one
+    bar per device. Draws on ``ax`` when given, else on a new
+    :class:`~matplotlib.figure.Figure` (not registered with pyplot).
+    """
+    from matplotlib.figure import Figure
+
+    c = _checked(cost)
+    models = list(dict.fromkeys(c["label"]))
+    series = list(dict.fromkeys(c["series"]))
+    if ax is None:
+        fig = Figure(figsize=(min(14.0, max(5.0, 2.5 + 1.1 * len(models) * max(1, len(series)) * 0.6)), 3.6), layout="constrained")
+        ax = fig.add_subplot()
+    else:
+        fig = ax.get_figure()  # type: ignore[assignment]  # a SubFigure draws and saves alike
+    ax.set_title("checksum cost per model and backend", fontsize=10)
+    if not len(c):
+        ax.text(0.5, 0.5, "no measurements", ha="center", va="center", transform=ax.transAxes)
+        ax.set_axis_off()
+        return fig
+    width = 0.8 / len(series)
+    for k, name in enumerate(series):
+        mine = c[c["series"] == name].drop_duplicates("label", keep="last").set_index("label")
+        xs = [models.index(m) - 0.4 + width * (k + 0.5) for m in mine.index]
+        bars = ax.bar(xs, mine["gbps"], width=width * 0.95, label=name, color=_BACKEND_COLORS[k % len(_BACKEND_COLORS)])
+        ax.bar_label(bars, labels=[f"{s:.3g} s" for s in mine["seconds"]], fontsize=7, padding=2)
+    sizes = c.drop_duplicates("label").set_index("label")["nbytes"]
+    ax.set_xticks(range(len(models)), [f"{m}\n{_size(sizes[m])}" for m in models], fontsize=8)
+    ax.set_ylabel("GB/s")
+    ax.margins(y=0.15)
+    ax.spines[["top", "right"]].set_visible(False)
+    ax.legend(title="backend", fontsize=8, title_fontsize=8, frameon=False)
+    return fig
