@@ -1,0 +1,421 @@
+"""vLLM: the worker extension against a test double, over a real loopback /collective_rpc and in-process.
+
+No vLLM here. ``SimWorker`` holds what the extension reads from a vLLM worker: a
+``model_runner.model`` (an ``nn.Module`` whose parameters are an ``EngineShard``'s
+tensors) and the rank attributes. The loopback server serves vLLM's dev-mode
+``POST /collective_rpc`` request/response shape and dispatches to those workers.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+import types
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import httpx
+import pandas as pd
+import pytest
+import torch
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.routing import Route
+
+from wcviz.digest import DEFAULT_ALGO
+from wcviz.endstate import classify, summary
+from wcviz.integrations.vllm import WcvizWorkerExtension, worker_coords
+from wcviz.sim.engine import EngineLayout, EngineShard, LoaderFaults
+from wcviz.sim.model import TINY, build_state_dict
+from wcviz.sources import from_named_tensors
+from wcviz.sources._vllm import EngineEndpointError, from_vllm_http, from_vllm_llm, vllm_collective_rpc
+
+LAYOUT = EngineLayout(tp=2, pp=2)
+HOST = socket.gethostname()
+SD = build_state_dict(TINY)
+
+
+# --------------------------------------------------------------------------- the test double
+
+
+def module_of(params: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """An ``nn.Module`` whose parameters share storage with ``params`` (dotted names become submodules)."""
+    root = torch.nn.Module()
+    for name, t in params.items():
+        *path, leaf = name.split(".")
+        mod = root
+        for part in path:
+            if not hasattr(mod, part):
+                mod.add_module(part, torch.nn.Module())
+            mod = getattr(mod, part)
+        mod.register_parameter(leaf, torch.nn.Parameter(t, requires_grad=False))
+    return root
+
+
+class SimWorker(WcvizWorkerExtension):
+    """What the extension reads from a vLLM worker: ``model_runner.model``, ``device`` and the ranks."""
+
+    def __init__(self, rank: int, faults: LoaderFaults | None = None) -> None:
+        self.dp_rank, self.pp_rank, self.tp_rank = LAYOUT.coords(rank)
+        self.rank, self.world_size = rank, LAYOUT.world_size
+        self.shard = EngineShard(TINY, self.tp_rank, LAYOUT.tp, self.pp_rank, LAYOUT.pp, faults=faults or LoaderFaults())
+        self.shard.load_weights(SD.items())
+        self.model_runner = types.SimpleNamespace(model=module_of(self.shard.params))
+        self.device = torch.device("cpu")
+
+    def reload(self) -> None:
+        self.shard.load_weights(SD.items())
+
+
+def workers(faults: dict[int, LoaderFaults] | None = None) -> list[SimWorker]:
+    faults = faults or {}
+    return [SimWorker(r, faults.get(r, LoaderFaults())) for r in range(LAYOUT.world_size)]
+
+
+def expected(ws: list[SimWorker], phase: str = "current") -> pd.DataFrame:
+    """The digest table built straight from each shard's tensors (not through the extension)."""
+    frames = [
+        from_named_tensors(w.shard.params, role="engine", rank=w.rank, dp=w.dp_rank, pp=w.pp_rank, tp=w.tp_rank, host=HOST, phase=phase)
+        for w in ws
+    ]
+    return _norm(pd.concat(frames, ignore_index=True))
+
+
+def _norm(df: pd.DataFrame) -> pd.DataFrame:
+    out = df.drop(columns=[c for c in ("seconds", "url") if c in df.columns])
+    return out.sort_values(["rank", "name"]).reset_index(drop=True)
+
+
+def dispatch(ws: list[Any], method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+    return [getattr(w, method)(*args, **kwargs) for w in ws]
+
+
+# --------------------------------------------------------------------------- a vLLM-shaped server
+
+
+def collective_rpc_app(ws: list[Any], order: Callable[[int, int], list[int]] | None = None) -> Starlette:
+    """vLLM's dev-mode ``POST /collective_rpc``: ``{"method", "args", "kwargs", "timeout"}`` ->
+    ``{"results": [...]}``, each result a dict/list/None as is, anything else ``str()``; a
+    worker raising fails the whole call with a 500 (as vLLM's executor does). ``order(call, n)``
+    permutes the results of each call, to show identity never comes from list order."""
+    calls = {"n": 0}
+
+    async def rpc(request: Request) -> Response:
+        try:
+            body = await request.json()
+        except json.JSONDecodeError as e:
+            return JSONResponse({"detail": f"JSON decode error: {e}"}, status_code=400)
+        method = body.get("method")
+        if method is None:
+            return JSONResponse({"detail": "Missing 'method' in request body"}, status_code=400)
+        args, kwargs = body.get("args", []), body.get("kwargs", {})
+        try:
+            results = dispatch(ws, method, tuple(args), kwargs)
+        except Exception:  # noqa: BLE001 - like an unhandled error in vLLM's route
+            return PlainTextResponse("Internal Server Error", status_code=500)
+        calls["n"] += 1
+        idx = order(calls["n"], len(results)) if order else list(range(len(results)))
+        out = [r if r is None or isinstance(r, (dict, list)) else str(r) for r in (results[i] for i in idx)]
+        return JSONResponse({"results": out})
+
+    return Starlette(routes=[Route("/collective_rpc", rpc, methods=["POST"])])
+
+
+@contextmanager
+def serve(app: Any) -> Iterator[str]:
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "loopback server did not start"
+        time.sleep(0.01)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+def reversed_then_rotated(call: int, n: int) -> list[int]:
+    return list(reversed(range(n))) if call % 2 else [(i + call) % n for i in range(n)]
+
+
+class FakeLLM:
+    """``vllm.LLM.collective_rpc(method, timeout=None, args=(), kwargs=None)`` over SimWorkers."""
+
+    def __init__(self, ws: list[Any]) -> None:
+        self.ws = ws
+        self.calls: list[tuple[str, float | None, tuple[Any, ...], dict[str, Any]]] = []
+
+    def collective_rpc(self, method: str, timeout: float | None = None, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> list[Any]:
+        self.calls.append((method, timeout, args, dict(kwargs or {})))
+        return list(reversed(dispatch(self.ws, method, args, kwargs or {})))
+
+
+# --------------------------------------------------------------------------- tests
+
+
+def test_http_frames_are_exact_and_identity_comes_from_each_worker() -> None:
+    ws = workers()
+    with serve(collective_rpc_app(ws, order=reversed_then_rotated)) as url:
+        res = from_vllm_http(url, timeout_s=10)
+    assert res.complete and res.answered == 4 and len(res.failed) == 0, res.summary
+    pd.testing.assert_frame_equal(_norm(res.frame), expected(ws))
+    assert res.urls == tuple(f"{url} rank {r}" for r in range(4))
+    assert set(res.frame["url"]) == set(res.urls)
+    info = res.infos[f"{url} rank 3"]
+    assert (info["rank"], info["dp"], info["pp"], info["tp"], info["ep"]) == (3, 0, 1, 1, None)
+    assert info["params"] == len(ws[3].shard.params) and info["device"] == "cpu" and info["device_uuid"] is None
+    assert info["coords_from"] == "attributes"
+    assert res.summary == "4 of 4 ranks answered"
+
+
+def test_http_name_filter_and_phase() -> None:
+    ws = workers()
+    with serve(collective_rpc_app(ws)) as url:
+        res = from_vllm_http(url, name=r"mlp\.down_proj", phase="reload")
+    assert res.complete
+    want = expected(ws, phase="reload")
+    pd.testing.assert_frame_equal(_norm(res.frame), want[want["name"].str.contains(r"mlp\.down_proj")].reset_index(drop=True))
+
+
+def test_worker_that_cannot_digest_is_reported_with_its_identity_others_kept() -> None:
+    ws = workers()
+    ws[2].model_runner.model.register_parameter("bad", torch.nn.Parameter(torch.empty(3, device="meta"), requires_grad=False))
+    with serve(collective_rpc_app(ws, order=reversed_then_rotated)) as url:
+        res = from_vllm_http(url)
+    assert not res.complete and res.answered == 3
+    assert sorted(res.frame["rank"].unique()) == [0, 1, 3]
+    pd.testing.assert_frame_equal(_norm(res.frame), expected([ws[0], ws[1], ws[3]]))
+    row = res.failed.iloc[0]
+    assert (row["url"], row["kind"], row["rank"], row["pp"], row["tp"]) == (f"{url} rank 2", "failed", 2, 1, 0)
+    assert "wcviz_digests failed on this worker" in row["error"] and "meta" in row["error"]
+    assert res.summary.startswith("3 of 4 ranks answered; 1 failed: ")
+
+
+class RaisingWorker(SimWorker):
+    def wcviz_digests(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+
+def test_worker_raising_fails_the_whole_rpc_and_every_worker_is_reported() -> None:
+    """In vLLM one worker raising fails collective_rpc for all: every worker is reported, none dropped."""
+    ws = workers()
+    ws[1] = RaisingWorker(1)
+    with serve(collective_rpc_app(ws)) as url:
+        res = from_vllm_http(url)
+    assert res.answered == 0 and len(res.frame) == 0 and not res.complete
+    assert list(res.failed["rank"]) == [0, 1, 2, 3] and set(res.failed["kind"]) == {"failed"}
+    assert all("HTTP 500" in e for e in res.failed["error"])
+    llm_res = from_vllm_llm(FakeLLM(ws))
+    assert list(llm_res.failed["rank"]) == [0, 1, 2, 3]
+    assert "illegal memory access" in llm_res.failed["error"].iloc[0]
+
+
+class OddWorker(SimWorker):
+    def wcviz_digests(self, *args: Any, **kwargs: Any) -> Any:
+        return 42  # vLLM's route str()s what is not a dict or list
+
+
+def test_malformed_and_missing_results_are_reported() -> None:
+    ws = workers()
+    ws[0] = OddWorker(0)
+    with serve(collective_rpc_app(ws)) as url:
+        res = from_vllm_http(url)
+    assert res.answered == 3 and len(res.urls) == 5  # 3 collected, result '42', rank 0 with no rows
+    by_url = dict(zip(res.failed["url"], res.failed["error"]))
+    assert "not {'info': ..., 'rows': [...]}" in by_url[f"{url} worker result 0"]
+    assert by_url[f"{url} rank 0"] == "gave wcviz_info but no wcviz_digests result"
+    assert res.failed.set_index("url").loc[f"{url} rank 0", "tp"] == 0
+
+
+def test_a_worker_collective_rpc_never_reached_is_reported_from_world_size() -> None:
+    ws = workers()
+    with serve(collective_rpc_app([ws[0], ws[1], ws[3]])) as url:  # rank 2 never answers at all
+        res = from_vllm_http(url)
+    assert res.answered == 3 and not res.complete
+    row = res.failed.iloc[0]
+    assert (row["url"], row["kind"], row["rank"], row["role"]) == (f"{url} rank 2", "unreachable", 2, "engine")
+    assert "world_size is 4 but collective_rpc reached 3" in row["error"]
+
+
+def test_duplicate_rank_claims_fail_both() -> None:
+    ws = workers()
+    ws[3].rank = 2
+    ws[3].tp_rank, ws[3].pp_rank = ws[2].tp_rank, ws[2].pp_rank
+    with serve(collective_rpc_app(ws)) as url:
+        res = from_vllm_http(url)
+    assert sorted(res.frame["rank"].unique()) == [0, 1]
+    assert list(res.failed["url"]) == [f"{url} rank 2 #1", f"{url} rank 2 #2", f"{url} rank 3"]
+    assert all("2 answers claim the same rank" in e for e in res.failed["error"][:2])
+    assert list(res.failed["kind"]) == ["failed", "failed", "unreachable"]  # rank 3: nobody answered as it
+
+
+def test_non_string_args_are_refused_before_sending() -> None:
+    def never(request: httpx.Request) -> httpx.Response:
+        raise AssertionError("nothing may be sent")
+
+    t = httpx.MockTransport(never)
+    with pytest.raises(TypeError, match=r"strings only, but args\[0\] is int 165; send '165'"):
+        vllm_collective_rpc("http://x", "wcviz_reset", [0xA5], transport=t)
+    with pytest.raises(TypeError, match=r"strings only, but kwargs\['byte'\] is int"):
+        vllm_collective_rpc("http://x", "wcviz_reset", kwargs={"byte": 0xA5}, transport=t)
+    with pytest.raises(TypeError, match="args must be a list or tuple of strings"):
+        vllm_collective_rpc("http://x", "wcviz_reset", "0xa5", transport=t)
+    with pytest.raises(TypeError, match="name must be a regex string"):
+        from_vllm_http("http://x", name=3, transport=t)  # type: ignore[arg-type]
+
+
+def test_dev_mode_off_404_is_a_clear_error() -> None:
+    with serve(Starlette(routes=[])) as url, pytest.raises(EngineEndpointError, match="VLLM_SERVER_DEV_MODE=1") as err:
+        from_vllm_http(url)
+    assert err.value.kind == "missing"
+    assert "worker-extension-cls wcviz.integrations.vllm.WcvizWorkerExtension" in str(err.value)
+
+
+def test_unreachable_server_is_reported_not_raised() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed once the with ends: nothing listens there
+    res = from_vllm_http(f"http://127.0.0.1:{port}", retries=0, timeout_s=2)
+    assert not res.complete and list(res.failed["kind"]) == ["unreachable"]
+    assert "ConnectError" in res.failed["error"].iloc[0] and res.summary.startswith("0 of 1 ranks answered; 1 unreachable")
+
+
+def test_workers_without_the_extension_get_a_hint() -> None:
+    class Plain:
+        rank = 0
+
+    res = from_vllm_llm(FakeLLM([Plain()]))
+    assert "AttributeError" in res.failed["error"].iloc[0]
+    assert "worker_extension_cls=wcviz.integrations.vllm.WcvizWorkerExtension" in res.failed["error"].iloc[0]
+
+
+def test_request_shape_is_vllms() -> None:
+    seen: list[dict[str, Any]] = []
+    ws = workers()
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        seen.append(body)
+        return httpx.Response(200, json={"results": dispatch(ws, body["method"], tuple(body["args"]), body["kwargs"])})
+
+    res = from_vllm_http("http://engine:8000/", transport=httpx.MockTransport(handler), timeout_s=7, name="norm")
+    assert res.complete
+    assert seen[0] == {"method": "wcviz_info", "args": [], "kwargs": {}, "timeout": 7}
+    assert seen[1] == {"method": "wcviz_digests", "args": [], "kwargs": {"algo": "nemo-rl-v3", "phase": "current", "name_regex": "norm"}, "timeout": 7}
+
+
+def test_in_process_llm_gives_the_same_table() -> None:
+    ws = workers()
+    llm = FakeLLM(ws)
+    res = from_vllm_llm(llm, timeout_s=5)
+    assert res.complete and res.urls == tuple(f"vllm rank {r}" for r in range(4))
+    pd.testing.assert_frame_equal(_norm(res.frame), expected(ws))
+    assert [c[:2] for c in llm.calls] == [("wcviz_info", 5), ("wcviz_digests", 5)]
+    with pytest.raises(TypeError, match="collective_rpc"):
+        from_vllm_llm(object())
+
+
+def test_endstate_through_the_extension_names_the_unwritten_rank() -> None:
+    """snapshot -> wcviz_reset -> reload (rank 1 skips down_proj) -> classify."""
+    ws = workers({1: LoaderFaults(skip=r"down_proj")})
+    llm = FakeLLM(ws)
+    snap = from_vllm_llm(llm, phase="snapshot")
+    acks = llm.collective_rpc("wcviz_reset", kwargs={"byte": "0xa5"})
+    assert sorted(a["info"]["rank"] for a in acks) == [0, 1, 2, 3] and {a["byte"] for a in acks} == {"0xa5"}
+    reset = from_vllm_llm(llm, phase="reset")
+    for w in ws:
+        w.reload()
+    reload = from_vllm_llm(llm, phase="reload")
+    verdicts = classify(snap.frame, reset.frame, reload.frame)
+    bad = verdicts[verdicts["status"] != "match"]
+    assert set(bad["status"]) == {"unwritten"} and set(bad["rank"]) == {1}
+    assert sorted(bad["name"]) == ["model.layers.0.mlp.down_proj.weight", "model.layers.1.mlp.down_proj.weight"]
+    assert "2 unwritten on 1 rank (rank 1 (dp=0 pp=0 tp=1))" in summary(verdicts)
+
+
+def test_reset_bytes_and_refusals() -> None:
+    w = SimWorker(0)
+    before = w.wcviz_digests()["rows"]
+    assert w.wcviz_reset("0x5a")["byte"] == "0x5a"
+    assert all(bool((t.view(torch.uint8) == 0x5A).all()) for t in w.shard.params.values())
+    after = w.wcviz_digests()["rows"]
+    assert all(a["digest"] != b["digest"] for a, b in zip(before, after))
+    with pytest.raises(ValueError, match="poison byte"):
+        w.wcviz_reset("0x00")
+    assert w.wcviz_snapshot()["rows"][0]["phase"] == "snapshot"
+    assert "error" in w.wcviz_digests(name_regex="(")
+
+
+def test_coords_explicit_then_vllm_then_attributes(monkeypatch: pytest.MonkeyPatch) -> None:
+    w = SimWorker(3)
+    assert worker_coords(w) == ({"rank": 3, "dp": 0, "pp": 1, "tp": 1, "ep": None, "world_size": 4}, "attributes")
+
+    group = lambda r: types.SimpleNamespace(rank_in_group=r)
+    ps = types.ModuleType("vllm.distributed.parallel_state")
+    ps.get_tensor_model_parallel_rank = lambda: 1  # type: ignore[attr-defined]
+    ps.get_pp_group = lambda: group(0)  # type: ignore[attr-defined]
+    ps.get_dp_group = lambda: group(2)  # type: ignore[attr-defined]
+    ps.get_ep_group = lambda: group(5)  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "vllm.distributed.parallel_state", ps)
+    assert worker_coords(w) == ({"rank": 3, "dp": 2, "pp": 0, "tp": 1, "ep": None, "world_size": None}, "vllm")  # ep: expert parallel only
+    w.vllm_config = types.SimpleNamespace(parallel_config=types.SimpleNamespace(enable_expert_parallel=True, data_parallel_rank=2))
+    assert worker_coords(w)[0]["ep"] == 5
+
+    def not_initialised() -> int:
+        raise AssertionError("tensor model parallel group is not initialized")
+
+    ps.get_tensor_model_parallel_rank = not_initialised  # type: ignore[attr-defined]
+    assert worker_coords(w)[1] == "attributes"
+    w.wcviz_coords = {"rank": 7, "tp": 0}
+    assert worker_coords(w) == ({"rank": 7, "dp": None, "pp": None, "tp": 0, "ep": None, "world_size": None}, "wcviz_coords")
+    w.wcviz_coords = {"rank": 7, "tensor": 0}
+    with pytest.raises(ValueError, match="unknown key"):
+        worker_coords(w)
+    w.wcviz_coords = {"rank": 1.5}
+    with pytest.raises(TypeError, match="must be an int"):
+        worker_coords(w)
+
+
+def test_extension_mixes_into_another_frameworks_extension() -> None:
+    """vLLM refuses extension attributes its worker already has: ours are all wcviz_-prefixed, no __init__."""
+    names = [n for n in vars(WcvizWorkerExtension) if not n.startswith("__")]
+    assert names and all(n.startswith(("wcviz_", "_wcviz_")) for n in names)
+    assert "__init__" not in vars(WcvizWorkerExtension)
+    assert inspect.signature(WcvizWorkerExtension.wcviz_digests).parameters["algo"].default == DEFAULT_ALGO
+
+    class FrameworkExtension:
+        def update_weights_from_ipc(self) -> str:
+            return "theirs"
+
+    class Combined(FrameworkExtension, WcvizWorkerExtension):
+        pass
+
+    class Worker(SimWorker, Combined):
+        pass
+
+    w = Worker(0)
+    assert w.update_weights_from_ipc() == "theirs" and len(w.wcviz_digests()["rows"]) == len(w.shard.params)
+
+
+def test_importing_the_adapters_stays_cheap() -> None:
+    code = (
+        "import sys, wcviz.sources, wcviz.integrations.vllm, wcviz.sources._vllm\n"
+        "print(sorted(m for m in ('vllm', 'ray') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+    code = "import sys, wcviz.integrations.vllm; print(sorted(m for m in ('torch', 'pandas', 'vllm') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
