@@ -295,7 +295,7 @@ def classify(
 
     Columns: identity, ``name``, ``status`` (:data:`ENDSTATE_STATUSES`), ``algo``,
     ``digest_snapshot``, ``digest_reset``, ``digest_reload``, ``dtype``, ``shape``,
-    ``nbytes`` (the snapshot's, else the reload's), ``dtype_reload``,
+    ``nbytes``, ``host`` (the snapshot's, else the reload's), ``dtype_reload``,
     ``shape_reload``, ``layer``, ``block``, ``expert``, ``reset_covered``,
     ``rank_absent`` (the rank has no rows at all after the reload) and ``same_as``
     (for a corrupted row: the other ranks whose snapshot held exactly what this rank
@@ -312,7 +312,7 @@ def classify(
     cov = _coverage(snap, rst)
     if not allow_partial_reset:
         _raise_if_uncovered(cov[~_on_ranks(cov, dead)])
-    extra = ["digest", "dtype", "shape", "nbytes", "layer", "block", "expert"]
+    extra = ["digest", "dtype", "shape", "nbytes", "layer", "block", "expert", "host"]
     m = snap[_KEYS + extra].merge(rel[_KEYS + extra], on=_KEYS, how="outer", suffixes=("_snapshot", "_reload"), indicator=True)
     m = m.merge(rst[_KEYS + ["digest"]].rename(columns={"digest": "digest_reset"}), on=_KEYS, how="left")
     m = m.merge(cov[_KEYS + ["covered"]], on=_KEYS, how="left")
@@ -334,7 +334,7 @@ def classify(
     out["digest_snapshot"] = m["digest_snapshot"]
     out["digest_reset"] = m["digest_reset"]
     out["digest_reload"] = m["digest_reload"]
-    for col in ("dtype", "shape", "nbytes", "layer", "block", "expert"):
+    for col in ("dtype", "shape", "nbytes", "layer", "block", "expert", "host"):
         out[col] = m[f"{col}_snapshot"].fillna(m[f"{col}_reload"])
     out["dtype_reload"] = m["dtype_reload"]
     out["shape_reload"] = m["shape_reload"]
