@@ -25,7 +25,9 @@ from wcviz.sim import (
 
 TIED = dataclasses.replace(TINY, tie_embeddings=True, seed=3)
 ONE_KV = dataclasses.replace(TINY, kv_heads=1, seed=4)  # multi-query: every tp > 1 replicates
-CONFIGS = {"dense": TINY, "moe": TINY_MOE, "tied": TIED, "one_kv": ONE_KV}
+QWEN2ISH = dataclasses.replace(TINY, qkv_bias=True, tie_embeddings=True, seed=5)
+MIXTRAL = dataclasses.replace(TINY_MOE, moe_style="mixtral", seed=6)
+CONFIGS = {"dense": TINY, "moe": TINY_MOE, "tied": TIED, "one_kv": ONE_KV, "qkv_bias": QWEN2ISH, "mixtral": MIXTRAL}
 
 
 def _shards(cfg: ModelConfig, tp: int, pp: int, faulty: dict | None = None) -> list[EngineShard]:
@@ -43,6 +45,12 @@ def _expected_shape(cfg: ModelConfig, name: str, tp: int) -> tuple[int, ...]:
     hd, h = cfg.head_dim, cfg.hidden
     if name.endswith("qkv_proj.weight"):
         return ((cfg.heads // tp + 2 * max(1, cfg.kv_heads // tp)) * hd, h)
+    if name.endswith("qkv_proj.bias"):
+        return ((cfg.heads // tp + 2 * max(1, cfg.kv_heads // tp)) * hd,)
+    if name.endswith("experts.w13_weight"):
+        return (cfg.experts, 2 * cfg.intermediate // tp, h)
+    if name.endswith("experts.w2_weight"):
+        return (cfg.experts, h, cfg.intermediate // tp)
     if name.endswith("o_proj.weight"):
         return (h, cfg.heads // tp * hd)
     if name.endswith("gate_up_proj.weight"):
@@ -51,7 +59,7 @@ def _expected_shape(cfg: ModelConfig, name: str, tp: int) -> tuple[int, ...]:
         return (h, cfg.intermediate // tp)
     if name in ("model.embed_tokens.weight", "lm_head.weight"):
         return ((cfg.vocab + tp - 1) // tp, h)
-    if name.endswith("mlp.gate.weight"):
+    if name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight")):
         return (cfg.experts, h)
     assert name.endswith("norm.weight"), name
     return (h,)
@@ -70,7 +78,8 @@ def _bits(a: torch.Tensor, b: torch.Tensor) -> int:
 @pytest.mark.parametrize(
     ("over", "field"),
     [({"heads": 3}, "kv_heads"), ({"hidden": 66}, "heads"), ({"vocab": 0}, "vocab"),
-     ({"layers": -1}, "layers"), ({"experts": -2}, "experts"), ({"intermediate": 1.5}, "intermediate")],
+     ({"layers": -1}, "layers"), ({"experts": -2}, "experts"), ({"intermediate": 1.5}, "intermediate"),
+     ({"moe_style": "deepseek"}, "moe_style")],
 )
 def test_config_errors_name_the_field(over: dict, field: str) -> None:
     with pytest.raises(ValueError, match=field):
@@ -94,6 +103,13 @@ def test_build_is_deterministic_small_and_hf_named() -> None:
     assert moe["model.layers.1.mlp.experts.3.up_proj.weight"].shape == (32, 64)
     assert not any(n.startswith("model.layers.0.mlp.") and "experts" not in n and n != "model.layers.0.mlp.gate.weight" for n in moe)
     assert "lm_head.weight" not in build_state_dict(TIED)
+    biased, mixtral = build_state_dict(QWEN2ISH), build_state_dict(MIXTRAL)
+    assert biased["model.layers.0.self_attn.k_proj.bias"].shape == (32,) and "lm_head.weight" not in biased
+    assert mixtral["model.layers.2.block_sparse_moe.experts.3.w2.weight"].shape == (64, 32)
+    assert mixtral["model.layers.2.block_sparse_moe.gate.weight"].shape == (4, 64)
+    assert not any(".mlp." in n for n in mixtral)
+    # the new fields leave the old configs' weights bit for bit as they were
+    assert all(torch.equal(a[n], build_state_dict(dataclasses.replace(TINY, qkv_bias=False, moe_style="sim"))[n]) for n in a)
 
 
 def test_step_changes_every_parameter_deterministically() -> None:
@@ -140,7 +156,7 @@ def test_load_then_reassemble_is_exact(cfg_name: str, tp: int, pp: int) -> None:
                 full_kv = sd[f"model.layers.{i}.self_attn.{part}_proj.weight"]
                 assert torch.equal(qkv[q + j * kv : q + (j + 1) * kv], full_kv[head * kv : (head + 1) * kv])
         for name, p in s.params.items():  # replicated params are whole on every rank
-            if name.endswith(("norm.weight", "mlp.gate.weight")):
+            if name.endswith(("norm.weight", "mlp.gate.weight", "moe.gate.weight")):
                 assert torch.equal(p, sd[name]), (s, name)
     if cfg.tie_embeddings:
         for t in range(tp):
@@ -181,6 +197,68 @@ def test_loader_ignores_other_stages_and_rejects_unknown_names() -> None:
 def test_impossible_layouts_are_refused(args: tuple, field: str) -> None:
     with pytest.raises(ValueError, match=field):
         EngineShard(*args)
+
+
+@pytest.mark.parametrize(
+    ("cfg", "kw", "match"),
+    [(TINY_MOE, {"expert_parallel": True}, "moe_style='mixtral'"), (TINY, {"expert_parallel": True}, "experts > 0"),
+     (MIXTRAL, {"dp_size": 8, "expert_parallel": True}, "tp * dp = 8 ranks exceeds ModelConfig.experts (4)"),
+     (dataclasses.replace(MIXTRAL, intermediate=12), {"dp_size": 8}, "tp * dp = 8 must divide ModelConfig.intermediate (12)"),
+     (MIXTRAL, {"dp_rank": 2, "dp_size": 2}, "dp_rank 2 outside"), (MIXTRAL, {"dp_size": 0}, "dp_size 0")],
+)
+def test_impossible_expert_layouts_are_refused(cfg: ModelConfig, kw: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(match)):
+        EngineShard(cfg, 0, 1, 0, 1, **kw)
+
+
+def _moe_engine(cfg: ModelConfig, tp: int, pp: int, dp: int, ep: bool, faults: dict | None = None) -> list[EngineShard]:
+    faults = faults or {}
+    return [EngineShard(cfg, t, tp, p, pp, faults.get((d, p, t), LoaderFaults()), dp_rank=d, dp_size=dp, expert_parallel=ep)
+            for d in range(dp) for p in range(pp) for t in range(tp)]
+
+
+def test_expert_parallel_ranks_hold_whole_contiguous_experts() -> None:
+    """tp 2 x dp 2 with expert parallelism over 6 experts: blocks 2, 2, 1, 1 (vLLM's linear placement), not sliced."""
+    cfg = dataclasses.replace(MIXTRAL, experts=6)
+    sd = build_state_dict(cfg)
+    blocks = {0: [0, 1], 1: [2, 3], 2: [4], 3: [5]}
+    shards = _moe_engine(cfg, 2, 2, 2, True)
+    for s in shards:
+        assert s.load_weights(sd.items()) == set(s.params)
+        assert (s.ep_rank, s.ep_size, list(s.experts)) == (s.dp_rank * 2 + s.tp_rank, 4, blocks[s.dp_rank * 2 + s.tp_rank])
+        for i in s.layers:
+            m = f"model.layers.{i}.block_sparse_moe."
+            w13, w2 = s.params[m + "experts.w13_weight"], s.params[m + "experts.w2_weight"]
+            assert w13.shape == (len(s.experts), 64, 64) and w2.shape == (len(s.experts), 64, 32)
+            for j, e in enumerate(s.experts):
+                assert torch.equal(w13[j], torch.cat([sd[f"{m}experts.{e}.w1.weight"], sd[f"{m}experts.{e}.w3.weight"]]))
+                assert torch.equal(w2[j], sd[f"{m}experts.{e}.w2.weight"])
+            assert s.params[f"model.layers.{i}.self_attn.o_proj.weight"].shape == (64, 32)  # attention stays TP-split
+    full = reassemble(shards)
+    assert list(full) == list(sd) and all(torch.equal(full[n], sd[n]) for n in sd)
+    # faults that narrow TP slices leave whole experts alone
+    tp_split = ("embed_tokens", "qkv_proj", "o_proj", "lm_head")
+    clean = {(s.dp_rank, s.pp_rank, s.tp_rank): s for s in shards}
+    for faults, hit in ((LoaderFaults(fused_from_rank0=True), ("qkv_proj",)), (LoaderFaults(tp_as=0), tp_split)):
+        faulty = EngineShard(cfg, 1, 2, 0, 2, faults, dp_rank=1, dp_size=2, expert_parallel=True)
+        faulty.load_weights(sd.items())
+        for name, p in faulty.params.items():
+            assert torch.equal(p, clean[(1, 0, 1)].params[name]) != any(h in name for h in hit), (faults, name)
+
+
+def test_fused_moe_without_expert_parallelism_is_sliced_over_tp_and_dp() -> None:
+    """vLLM shards MoE layers across DP ranks too: tp 2 x dp 2 slices every expert in 4, attention in 2."""
+    sd = build_state_dict(MIXTRAL)
+    shards = _moe_engine(MIXTRAL, 2, 1, 2, False)
+    _load(shards, sd)
+    for s in shards:
+        slot = s.dp_rank * 2 + s.tp_rank
+        w13 = s.params["model.layers.0.block_sparse_moe.experts.w13_weight"]
+        assert w13.shape == (4, 16, 64) and s.params["model.layers.0.self_attn.o_proj.weight"].shape == (64, 32)
+        w1 = sd["model.layers.0.block_sparse_moe.experts.3.w1.weight"]
+        assert torch.equal(w13[3, :8], w1[8 * slot : 8 * slot + 8])
+    full = reassemble(shards)
+    assert all(torch.equal(full[n], sd[n]) for n in sd)
 
 
 def test_reassemble_needs_every_shard() -> None:
@@ -237,15 +315,16 @@ def test_skip_leaves_matching_params_stale_on_the_faulty_shard_only(pattern: str
     assert len(stale_names) == 1  # stage 1 holds layer 2 and the head only
 
 
-def test_fused_from_rank0_copies_rank0_fused_slices_only() -> None:
-    sd = build_state_dict(TINY_MOE)
+@pytest.mark.parametrize("cfg", [TINY_MOE, MIXTRAL, QWEN2ISH], ids=["moe", "mixtral", "qkv_bias"])
+def test_fused_from_rank0_copies_rank0_fused_slices_only(cfg: ModelConfig) -> None:
+    sd = build_state_dict(cfg)
     for tp in (2, 4):  # tp 4 > kv_heads 2: kv heads replicated
-        clean = _shards(TINY_MOE, tp, 1)
-        faulty = _shards(TINY_MOE, tp, 1, {(0, t): LoaderFaults(fused_from_rank0=True) for t in range(tp)})
+        clean = _shards(cfg, tp, 1)
+        faulty = _shards(cfg, tp, 1, {(0, t): LoaderFaults(fused_from_rank0=True) for t in range(tp)})
         _load(clean, sd), _load(faulty, sd)
         for c, f in zip(clean, faulty):
             for name, p in f.params.items():
-                fused = name.endswith(("qkv_proj.weight", "gate_up_proj.weight"))
+                fused = name.endswith(("qkv_proj.weight", "qkv_proj.bias", "gate_up_proj.weight", "w13_weight"))
                 want = clean[0].params[name] if fused else c.params[name]
                 assert torch.equal(p, want), (f, name)
                 if fused and f.tp_rank > 0:

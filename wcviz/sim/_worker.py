@@ -170,7 +170,7 @@ class Engine(_Rank):
         super().__init__(spec)
         dp, pp, tp = spec.layout.coords(spec.rank)
         self.coords = {"dp": dp, "pp": pp, "tp": tp, "ep": None}
-        self.shard = EngineShard(spec.cfg, tp, spec.layout.tp, pp, spec.layout.pp)
+        self.shard = EngineShard(spec.cfg, tp, spec.layout.tp, pp, spec.layout.pp, dp_rank=dp, dp_size=spec.layout.dp)
         dtype = str(spec.cfg.dtype).removeprefix("torch.")
         self.metadata = {n: (s, dtype) for n, s in parameter_shapes(spec.cfg).items()}  # full HF tensors arrive
         self.checkpoint: str | None = None

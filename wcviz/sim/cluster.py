@@ -116,8 +116,8 @@ class Cluster:
         from wcviz.sim.engine import _check_layout
 
         for r in range(layout.world_size):
-            _, pp, tp = layout.coords(r)
-            _check_layout(cfg, tp, layout.tp, pp, layout.pp)
+            dp, pp, tp = layout.coords(r)
+            _check_layout(cfg, tp, layout.tp, pp, layout.pp, dp, layout.dp, False)
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.cfg, self.layout = cfg, layout

@@ -1,11 +1,17 @@
 """Inference-engine ranks that hold and load weights the way vLLM lays them out.
 
 One :class:`EngineShard` is one (tensor-parallel, pipeline-parallel) rank. Its
-``params`` carry vLLM's names and shapes: q/k/v fused into ``qkv_proj`` and
-gate/up into ``gate_up_proj`` (column-parallel), ``o_proj``/``down_proj``
-row-parallel, embedding and head vocabulary-parallel, norms and the MoE router
-replicated. :meth:`EngineShard.load_weights` narrows and fuses full Hugging Face
-tensors into them like vLLM's loaders do, with optional :class:`LoaderFaults`:
+``params`` carry vLLM's names and shapes: q/k/v (weights and, for Qwen2, biases)
+fused into ``qkv_proj`` and gate/up into ``gate_up_proj`` (column-parallel),
+``o_proj``/``down_proj`` row-parallel, embedding and head vocabulary-parallel,
+norms and the MoE router replicated. Mixtral-style experts are held as vLLM's
+FusedMoE holds them: ``experts.w13_weight`` [local experts, 2 * inter / n, hidden]
+(w1 over w3) and ``experts.w2_weight`` [local experts, hidden, inter / n], where
+FusedMoE spreads over all n = tp * dp ranks of a stage (vLLM shards MoE layers
+across data-parallel ranks too); with expert parallelism each of those ranks
+holds a contiguous block of whole experts instead of a slice of every expert.
+:meth:`EngineShard.load_weights` narrows and fuses full Hugging Face tensors into
+them like vLLM's loaders do, with optional :class:`LoaderFaults`:
 the loader bugs users report, so that verification has something to catch.
 """
 
@@ -29,6 +35,10 @@ STACKED = (
     (".gate_up_proj.", ".gate_proj.", "gate"),
     (".gate_up_proj.", ".up_proj.", "up"),
 )
+# Mixtral's experts.E.w1/w3 (gate, up) fuse into FusedMoE's w13_weight, w2 (down) into w2_weight.
+_FUSED_MOE = re.compile(r"^(.+\.experts)\.(\d+)\.(w1|w2|w3)\.weight$")
+_MOE_IDS = ("w1", "w2", "w3")
+_FUSED_IDS = ("q", "k", "v", "gate", "up", "w1", "w3")  # pieces of a fused parameter
 _ROW_PARALLEL = ("self_attn.o_proj.weight", "down_proj.weight")
 _VOCAB_PARALLEL = ("model.embed_tokens.weight", "lm_head.weight")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
@@ -67,12 +77,14 @@ class LoaderFaults:
     """Loader bugs to inject; regexes are matched (``re.search``) against Hugging Face names.
 
     skip: matching parameters are silently not loaded.
-    fused_from_rank0: q/k/v and gate/up take TP rank 0's slice on every rank.
+    fused_from_rank0: the pieces of fused params (q/k/v, gate/up, FusedMoE w1/w3) take
+        TP rank 0's slice on every rank.
     stale: load_weights consumes its input and writes nothing.
     cast: matching parameters round-trip through float16 on load.
     flip_bit: one bit (the lowest, of the middle element) is flipped in each matching parameter.
     tp_as: this rank narrows every TP-split weight as if it were TP rank ``tp_as``
-        (give two ranks each other's index to swap them: right shapes, wrong ranks).
+        (give two ranks each other's index to swap them: right shapes, wrong ranks);
+        expert-parallel experts are not TP-split and load as usual.
     """
 
     skip: str | None = None
@@ -96,6 +108,13 @@ def pp_layers(layers: int, pp_rank: int, pp_size: int) -> range:
     return range(start, start + sizes[pp_rank])
 
 
+def _expert_block(experts: int, ep_rank: int, ep_size: int) -> range:
+    """Experts EP rank ``ep_rank`` holds: vLLM's linear placement, the first ``experts % ep_size`` ranks one more."""
+    sizes = [experts // ep_size + (r < experts % ep_size) for r in range(ep_size)]
+    start = sum(sizes[:ep_rank])
+    return range(start, start + sizes[ep_rank])
+
+
 def _match(pattern: str | None, name: str) -> bool:
     return pattern is not None and re.search(pattern, name) is not None
 
@@ -109,7 +128,13 @@ def _flip_lowest_bit(t: torch.Tensor) -> torch.Tensor:
 
 
 class EngineShard:
-    """The weights one engine rank holds, named and shaped as vLLM holds them."""
+    """The weights one engine rank holds, named and shaped as vLLM holds them.
+
+    ``dp_rank``/``dp_size`` matter to FusedMoE experts only: vLLM spreads them over
+    every TP x DP rank of a stage (group rank ``dp_rank * tp_size + tp_rank``), as
+    TP slices or, with ``expert_parallel`` (vLLM's ``enable_expert_parallel``), as
+    blocks of whole experts: then ``ep_rank``/``ep_size`` are that group rank and size.
+    """
 
     def __init__(
         self,
@@ -119,10 +144,22 @@ class EngineShard:
         pp_rank: int,
         pp_size: int,
         faults: LoaderFaults = LoaderFaults(),
+        *,
+        dp_rank: int = 0,
+        dp_size: int = 1,
+        expert_parallel: bool = False,
     ) -> None:
-        _check_layout(cfg, tp_rank, tp_size, pp_rank, pp_size)
+        _check_layout(cfg, tp_rank, tp_size, pp_rank, pp_size, dp_rank, dp_size, expert_parallel)
         self.cfg, self.faults = cfg, faults
         self.tp_rank, self.tp_size, self.pp_rank, self.pp_size = tp_rank, tp_size, pp_rank, pp_size
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.fused_moe = cfg.experts > 0 and cfg.moe_style == "mixtral"
+        # FusedMoE spans the TP x DP ranks of the stage: every expert sliced over them, or a block of whole experts each
+        group, slot = tp_size * dp_size, dp_rank * tp_size + tp_rank
+        self.ep_rank, self.ep_size = (slot, group) if expert_parallel else (0, 1)
+        self.moe_tp_size = 1 if expert_parallel else group
+        self.experts = _expert_block(cfg.experts, self.ep_rank, self.ep_size) if self.fused_moe else range(cfg.experts)
+        self.moe_rows = cfg.intermediate // self.moe_tp_size
         self.layers = pp_layers(cfg.layers, pp_rank, pp_size)
         hd, h = cfg.head_dim, cfg.hidden
         # When tp > kv_heads each kv head is replicated over tp // kv_heads ranks.
@@ -139,8 +176,16 @@ class EngineShard:
             p = f"model.layers.{i}."
             shapes[p + "input_layernorm.weight"] = (h,)
             shapes[p + "self_attn.qkv_proj.weight"] = (self.q_rows + 2 * self.kv_rows, h)
+            if cfg.qkv_bias:
+                shapes[p + "self_attn.qkv_proj.bias"] = (self.q_rows + 2 * self.kv_rows,)
             shapes[p + "self_attn.o_proj.weight"] = (h, self.q_rows)
             shapes[p + "post_attention_layernorm.weight"] = (h,)
+            if self.fused_moe:
+                moe = p + "block_sparse_moe."
+                shapes[moe + "gate.weight"] = (cfg.experts, h)
+                shapes[moe + "experts.w13_weight"] = (len(self.experts), 2 * self.moe_rows, h)
+                shapes[moe + "experts.w2_weight"] = (len(self.experts), h, self.moe_rows)
+                continue
             mlps = [p + "mlp."] if cfg.experts == 0 else [f"{p}mlp.experts.{e}." for e in range(cfg.experts)]
             if cfg.experts:
                 shapes[p + "mlp.gate.weight"] = (cfg.experts, h)
@@ -154,13 +199,17 @@ class EngineShard:
         self.params: dict[str, torch.Tensor] = {n: torch.zeros(s, dtype=cfg.dtype) for n, s in shapes.items()}
 
     def __repr__(self) -> str:
-        return f"EngineShard(tp={self.tp_rank}/{self.tp_size}, pp={self.pp_rank}/{self.pp_size}, layers={self.layers})"
+        dp = f", dp={self.dp_rank}/{self.dp_size}" if self.dp_size > 1 else ""
+        ep = f", ep={self.ep_rank}/{self.ep_size}" if self.ep_size > 1 else ""
+        where = f"tp={self.tp_rank}/{self.tp_size}, pp={self.pp_rank}/{self.pp_size}{dp}{ep}"
+        return f"EngineShard({where}, layers={self.layers})"
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Narrow and fuse full HF tensors into this rank's params; returns the engine names written.
 
         Names of layers (or embedding/head) another pipeline stage owns are ignored,
-        as is ``lm_head`` of a tied model; an unknown name raises KeyError.
+        as are experts another EP rank holds and ``lm_head`` of a tied model; an
+        unknown name raises KeyError.
         """
         tp_as = self.faults.tp_as
         if tp_as is not None and not 0 <= tp_as < self.tp_size:
@@ -169,12 +218,12 @@ class EngineShard:
         for hf_name, full in weights:
             if self.faults.stale or _match(self.faults.skip, hf_name):
                 continue
-            name, shard_id = _engine_name(hf_name)
-            if name not in self.params:
-                if self._owned_elsewhere(name):
+            name, shard_id, expert = _engine_name(hf_name)
+            if name not in self.params or (expert is not None and expert not in self.experts):
+                if self._owned_elsewhere(name, expert):
                     continue
                 raise KeyError(f"{hf_name}: no such parameter in a {self.cfg} engine")
-            dest, piece = self._place(name, shard_id, full)
+            dest, piece = self._place(name, shard_id, full, expert)
             if _match(self.faults.cast, hf_name):
                 piece = piece.to(torch.float16)
             piece = piece.to(dest.dtype)
@@ -184,22 +233,33 @@ class EngineShard:
             written.add(name)
         return written
 
-    def _owned_elsewhere(self, name: str) -> bool:
+    def _owned_elsewhere(self, name: str, expert: int | None = None) -> bool:
         m = _LAYER.match(name)
         if m:
             layer = int(m.group(1))
-            return layer < self.cfg.layers and layer not in self.layers
+            if layer >= self.cfg.layers or (expert is not None and expert >= self.cfg.experts):
+                return False
+            return layer not in self.layers or (expert is not None and self.fused_moe)
         if name == "lm_head.weight" and self.cfg.tie_embeddings:
             return True  # vLLM skips a tied head: it *is* the embedding
         return name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
 
-    def _place(self, name: str, shard_id: str | None, full: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _place(
+        self, name: str, shard_id: str | None, full: torch.Tensor, expert: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(view of this rank's param to write, the slice of ``full`` that belongs there)."""
         param, r = self.params[name], self.tp_rank
         if self.faults.tp_as is not None:
             r = self.faults.tp_as
-        if shard_id is not None and self.faults.fused_from_rank0:
+        if shard_id in _FUSED_IDS and self.faults.fused_from_rank0:
             r = 0
+        if shard_id in _MOE_IDS and expert is not None:
+            slot, rows = param[self.experts.index(expert)], self.moe_rows
+            r = self.dp_rank * self.tp_size + r if self.moe_tp_size > 1 else 0  # expert parallel: whole experts
+            if shard_id == "w2":
+                return slot, full.narrow(1, r * rows, rows)
+            offset = rows if shard_id == "w3" else 0
+            return slot[offset : offset + rows], full.narrow(0, r * rows, rows)
         if shard_id == "q":
             return param[: self.q_rows], full.narrow(0, r * self.q_rows, self.q_rows)
         if shard_id in ("k", "v"):
@@ -214,19 +274,33 @@ class EngineShard:
             return param, full.narrow(1, r * cols, cols)
         if name in _VOCAB_PARALLEL:
             start = r * self.vocab_rows
-            piece = full[start : start + self.vocab_rows]  # the last rank's tail is padding, left zero
-            return param[: piece.shape[0]], piece
+            piece = full[start : start + self.vocab_rows]
+            pad = full.new_zeros((self.vocab_rows - piece.shape[0], *full.shape[1:]))
+            return param, torch.cat([piece, pad])  # the last rank's tail is padding: zeroed on every load, as vLLM does
         return param, full  # replicated: norms, MoE router
 
 
-def _engine_name(hf_name: str) -> tuple[str, str | None]:
+def _engine_name(hf_name: str) -> tuple[str, str | None, int | None]:
+    """(engine param, which piece of it, expert index of a FusedMoE piece) of HF name ``hf_name``."""
+    m = _FUSED_MOE.match(hf_name)
+    if m:
+        return f"{m.group(1)}.{'w2' if m.group(3) == 'w2' else 'w13'}_weight", m.group(3), int(m.group(2))
     for engine, hf, shard_id in STACKED:
         if hf in hf_name:
-            return hf_name.replace(hf, engine), shard_id
-    return hf_name, None
+            return hf_name.replace(hf, engine), shard_id, None
+    return hf_name, None, None
 
 
-def _check_layout(cfg: ModelConfig, tp_rank: int, tp_size: int, pp_rank: int, pp_size: int) -> None:
+def _check_layout(
+    cfg: ModelConfig,
+    tp_rank: int,
+    tp_size: int,
+    pp_rank: int,
+    pp_size: int,
+    dp_rank: int = 0,
+    dp_size: int = 1,
+    expert_parallel: bool = False,
+) -> None:
     if tp_size < 1 or not 0 <= tp_rank < tp_size:
         raise ValueError(f"tp_rank {tp_rank} outside tp_size {tp_size}")
     if pp_size < 1 or not 0 <= pp_rank < pp_size:
@@ -239,28 +313,48 @@ def _check_layout(cfg: ModelConfig, tp_rank: int, tp_size: int, pp_rank: int, pp
         raise ValueError(f"tp_size {tp_size} must divide ModelConfig.intermediate ({cfg.intermediate})")
     if cfg.layers < pp_size:
         raise ValueError(f"pp_size {pp_size} exceeds ModelConfig.layers ({cfg.layers})")
+    if dp_size < 1 or not 0 <= dp_rank < dp_size:
+        raise ValueError(f"dp_rank {dp_rank} outside dp_size {dp_size}")
+    fused_moe, group = cfg.experts > 0 and cfg.moe_style == "mixtral", tp_size * dp_size
+    if expert_parallel and not fused_moe:
+        raise ValueError("expert_parallel needs FusedMoE experts: ModelConfig.experts > 0 and moe_style='mixtral'")
+    if expert_parallel and group > cfg.experts:
+        raise ValueError(f"expert parallelism over tp * dp = {group} ranks exceeds ModelConfig.experts ({cfg.experts})")
+    if fused_moe and not expert_parallel and cfg.intermediate % group:
+        raise ValueError(f"tp * dp = {group} must divide ModelConfig.intermediate ({cfg.intermediate}): FusedMoE spans both")
 
 
 def reassemble(shards: list[EngineShard]) -> dict[str, torch.Tensor]:
-    """Full HF-named tensors rebuilt from every (tp, pp) shard of one engine: the layout's inverse.
+    """Full HF-named tensors rebuilt from every (dp, pp, tp) shard of one engine: the layout's inverse.
 
-    Concatenates TP slices, unfuses qkv/gate_up, keeps the first replica of each kv
-    head (and the first stage's copy of a tied embedding) and strips vocab padding.
+    Concatenates TP slices, unfuses qkv/gate_up/w13, unstacks FusedMoE experts (which
+    span the DP ranks too), keeps the first replica of each kv head (and the first
+    stage's copy of a tied embedding) and strips vocab padding.
     """
     if not shards:
         raise ValueError("reassemble needs at least one shard")
-    cfg, tp, pp = shards[0].cfg, shards[0].tp_size, shards[0].pp_size
-    grid = {(s.pp_rank, s.tp_rank): s for s in shards}
-    if len(grid) != len(shards) or set(grid) != {(p, t) for p in range(pp) for t in range(tp)}:
-        raise ValueError(f"need exactly one shard per (pp, tp) in {pp}x{tp}, got {sorted(grid)}")
-    if any((s.cfg, s.tp_size, s.pp_size) != (cfg, tp, pp) for s in shards):
+    first = shards[0]
+    cfg, tp, pp, dp, ep = first.cfg, first.tp_size, first.pp_size, first.dp_size, first.ep_size
+    grid = {(s.dp_rank, s.pp_rank, s.tp_rank): s for s in shards}
+    if len(grid) != len(shards) or set(grid) != {(d, p, t) for d in range(dp) for p in range(pp) for t in range(tp)}:
+        raise ValueError(f"need exactly one shard per (dp, pp, tp) in {dp}x{pp}x{tp}, got {sorted(grid)}")
+    if any((s.cfg, s.tp_size, s.pp_size, s.dp_size, s.ep_size) != (cfg, tp, pp, dp, ep) for s in shards):
         raise ValueError("shards come from different configs or layouts")
 
     out: dict[str, torch.Tensor] = {}
     for name in parameter_shapes(cfg):
-        engine, shard_id = _engine_name(name)
-        stage = next(p for p in range(pp) if engine in grid[(p, 0)].params)
-        ranks = [grid[(stage, t)] for t in range(tp)]
+        engine, shard_id, expert = _engine_name(name)
+        stage = next(p for p in range(pp) if engine in grid[(0, p, 0)].params)
+        if expert is not None:  # FusedMoE: the group is every (dp, tp) rank of the stage, in group-rank order
+            group = [grid[(d, stage, t)] for d in range(dp) for t in range(tp)]
+            if ep > 1:
+                holder = next(s for s in group if expert in s.experts)
+                out[name] = _own_part(holder, engine, shard_id, expert).clone()
+            else:
+                parts = [_own_part(s, engine, shard_id, expert) for s in group]
+                out[name] = torch.cat(parts, dim=1 if shard_id == "w2" else 0)
+            continue
+        ranks = [grid[(0, stage, t)] for t in range(tp)]
         parts = []
         for s in ranks:
             if shard_id in ("k", "v") and s.tp_rank % s.kv_replicas:
@@ -277,17 +371,21 @@ def reassemble(shards: list[EngineShard]) -> dict[str, torch.Tensor]:
     return out
 
 
-def _own_part(s: EngineShard, engine: str, shard_id: str | None) -> torch.Tensor:
-    """The slice of ``engine`` on shard ``s`` that came from the HF param ``shard_id`` names."""
+def _own_part(s: EngineShard, engine: str, shard_id: str | None, expert: int | None = None) -> torch.Tensor:
+    """The slice of ``engine`` on shard ``s`` that came from the HF param ``shard_id`` (and ``expert``) names."""
     p = s.params[engine]
+    if expert is not None:
+        p = p[s.experts.index(expert)]
     rows = {
         "q": (0, s.q_rows),
         "k": (s.q_rows, s.kv_rows),
         "v": (s.q_rows + s.kv_rows, s.kv_rows),
         "gate": (0, s.inter_rows),
         "up": (s.inter_rows, s.inter_rows),
+        "w1": (0, s.moe_rows),
+        "w3": (s.moe_rows, s.moe_rows),
     }
-    if shard_id is None:
+    if shard_id in (None, "w2"):
         return p
     start, n = rows[shard_id]
     return p.narrow(0, start, n)

@@ -1,8 +1,10 @@
 """A Llama-family decoder built in code: the weights a simulated trainer owns and refits.
 
 Names and shapes follow Hugging Face (``model.layers.N.self_attn.q_proj.weight``, ...),
-with grouped-query attention and, when ``experts > 0``, a Mixtral/Qwen-MoE style
-mixture of experts. Everything is deterministic from the config's seed, so two
+with grouped-query attention, optional q/k/v biases (Qwen2) and, when ``experts > 0``,
+a mixture of experts named either the sim's own way (``mlp.experts.E.gate_proj``, with
+router ``mlp.gate``) or Mixtral's (``block_sparse_moe.experts.E.w1/w2/w3``, router
+``block_sparse_moe.gate``). Everything is deterministic from the config's seed, so two
 processes that build the same config hold bit-identical weights without talking.
 """
 
@@ -15,14 +17,29 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["TINY", "TINY_MOE", "ModelConfig", "build_state_dict", "parameter_shapes", "save_checkpoint", "step"]
+__all__ = [
+    "MOE_STYLES",
+    "TINY",
+    "TINY_MOE",
+    "ModelConfig",
+    "build_state_dict",
+    "parameter_shapes",
+    "save_checkpoint",
+    "step",
+]
 
+MOE_STYLES = ("sim", "mixtral")
 _SIZES = ("vocab", "hidden", "layers", "heads", "kv_heads", "intermediate")
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Sizes of a Llama-family decoder; ``experts == 0`` means a dense MLP."""
+    """Sizes of a Llama-family decoder; ``experts == 0`` means a dense MLP.
+
+    ``qkv_bias`` adds Qwen2's q/k/v biases; ``moe_style`` names the experts the sim's
+    way (``"sim"``) or Mixtral's (``"mixtral"``: the engine then holds them as vLLM's
+    FusedMoE does, and can place them expert-parallel).
+    """
 
     vocab: int
     hidden: int
@@ -34,6 +51,8 @@ class ModelConfig:
     experts: int = 0
     tie_embeddings: bool = False
     seed: int = 0
+    qkv_bias: bool = False
+    moe_style: str = "sim"
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -44,6 +63,8 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.experts must be an int >= 0, got {self.experts!r}")
         if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
             raise ValueError(f"ModelConfig.dtype must be a floating torch.dtype, got {self.dtype!r}")
+        if self.moe_style not in MOE_STYLES:
+            raise ValueError(f"ModelConfig.moe_style must be one of {', '.join(MOE_STYLES)}, got {self.moe_style!r}")
         if self.heads % self.kv_heads:
             raise ValueError(f"ModelConfig.heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads})")
         if self.hidden % self.heads:
@@ -70,8 +91,20 @@ def parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes[p + "self_attn.q_proj.weight"] = (cfg.heads * hd, h)
         shapes[p + "self_attn.k_proj.weight"] = (cfg.kv_heads * hd, h)
         shapes[p + "self_attn.v_proj.weight"] = (cfg.kv_heads * hd, h)
+        if cfg.qkv_bias:
+            shapes[p + "self_attn.q_proj.bias"] = (cfg.heads * hd,)
+            shapes[p + "self_attn.k_proj.bias"] = (cfg.kv_heads * hd,)
+            shapes[p + "self_attn.v_proj.bias"] = (cfg.kv_heads * hd,)
         shapes[p + "self_attn.o_proj.weight"] = (h, cfg.heads * hd)
         shapes[p + "post_attention_layernorm.weight"] = (h,)
+        if cfg.experts and cfg.moe_style == "mixtral":
+            moe = p + "block_sparse_moe."
+            shapes[moe + "gate.weight"] = (cfg.experts, h)
+            for e in range(cfg.experts):
+                shapes[f"{moe}experts.{e}.w1.weight"] = (inter, h)
+                shapes[f"{moe}experts.{e}.w2.weight"] = (h, inter)
+                shapes[f"{moe}experts.{e}.w3.weight"] = (inter, h)
+            continue
         mlps = [p + "mlp."] if cfg.experts == 0 else [f"{p}mlp.experts.{e}." for e in range(cfg.experts)]
         if cfg.experts:
             shapes[p + "mlp.gate.weight"] = (cfg.experts, h)

@@ -1,0 +1,384 @@
+"""Expected shards: what every engine rank should hold, from full weights and a family's rules.
+
+Binding (:func:`bind`) matches the checkpoint's names to the family's rules and
+checks that every tensor is used and every rule complete; :func:`expected_shards`
+then walks the ranks in vLLM's order and cuts each parameter with
+:mod:`wcviz.layouts._split`. It never imports the simulated engine: the sim's
+loader and these rules are written apart so that one cannot hide the other's bug.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from wcviz.layouts._rules import Family, LayoutError, Rule
+from wcviz.layouts._split import SPLITS, Cut
+from wcviz.layouts._topology import Coords, expert_block, moe_slot, rank_coords, stage_layers
+from wcviz.layouts.llama import LLAMA, MISTRAL
+from wcviz.layouts.mixtral import MIXTRAL
+from wcviz.layouts.qwen2 import QWEN2
+from wcviz.layouts.sim_moe import SIM_MOE
+
+if TYPE_CHECKING:
+    import pandas as pd
+    import torch
+
+__all__ = [
+    "FAMILIES",
+    "Binding",
+    "Param",
+    "bind",
+    "checkpoint_weights",
+    "detect_family",
+    "expected_frame",
+    "expected_shards",
+    "get_family",
+]
+
+FAMILIES: dict[str, Family] = {f.name: f for f in (LLAMA, MISTRAL, QWEN2, MIXTRAL, SIM_MOE)}
+_SHOWN = 5  # names an error lists before "+N more"
+
+
+def get_family(family: str | Family) -> Family:
+    """A family by name (``llama``, ``mistral``, ``qwen2``, ``mixtral``, ``sim-moe``) or as given."""
+    if isinstance(family, Family):
+        return family
+    if family in FAMILIES:
+        return FAMILIES[family]
+    raise LayoutError(f"unknown model family {family!r}; known: {', '.join(FAMILIES)}")
+
+
+@dataclass(frozen=True)
+class Param:
+    """One engine parameter a rule makes: its name, layer, and the HF names it is cut from.
+
+    ``sources`` holds one tuple of names, or for the FusedMoE kinds one per expert.
+    """
+
+    rule: Rule
+    name: str
+    layer: int | None
+    sources: tuple[tuple[str, ...], ...]
+
+
+@dataclass(frozen=True)
+class Binding:
+    """A family's rules bound to one checkpoint's names."""
+
+    family: Family
+    layers: int
+    experts: int
+    tied: bool
+    params: tuple[Param, ...]  # in vLLM's order: embedding, layer by layer, final norm and head
+    ignored: tuple[str, ...]  # checkpoint tensors vLLM skips (rotary buffers, a tied model's head)
+
+
+def _regex(template: str) -> re.Pattern[str]:
+    return re.compile(re.escape(template).replace(r"\{L\}", r"(?P<L>\d+)").replace(r"\{E\}", r"(?P<E>\d+)"))
+
+
+def _listing(names: list[str]) -> str:
+    more = f" (+{len(names) - _SHOWN} more)" if len(names) > _SHOWN else ""
+    return ", ".join(names[:_SHOWN]) + more
+
+
+def bind(names: Iterable[str], family: str | Family, *, tie_embeddings: bool | None = None) -> Binding:
+    """Match checkpoint ``names`` to ``family``'s rules; LayoutError names any tensor left over or missing.
+
+    The layer and expert counts are read off the names. ``tie_embeddings=None``
+    infers a tied head from the head's absence.
+    """
+    fam = get_family(family)
+    names = list(names)
+    patterns = [(rule, _regex(s)) for rule in fam.rules for s in rule.sources]
+    hit: set[Rule] = set()
+    uncovered: list[str] = []
+    layers = experts = 0
+    skipped = []
+    for name in names:
+        if any(k in name for k in fam.skipped):
+            skipped.append(name)
+            continue
+        found = [(rule, m) for rule, rx in patterns if (m := rx.fullmatch(name))]
+        if not found:
+            uncovered.append(name)
+            continue
+        if len(found) > 1:
+            raise LayoutError(
+                f"family {fam.name}: rules {found[0][0].engine} and {found[1][0].engine} both claim {name}"
+            )
+        rule, m = found[0]
+        hit.add(rule)
+        groups = m.groupdict()
+        layers = max(layers, int(groups.get("L") or -1) + 1)
+        experts = max(experts, int(groups.get("E") or -1) + 1)
+    if uncovered:
+        raise LayoutError(f"family {fam.name} has no rule for {len(uncovered)} tensor(s): {_listing(uncovered)}")
+
+    head = fam.rule(fam.head)
+    tied = head not in hit if tie_embeddings is None else bool(tie_embeddings)
+    ignored = skipped + [n for n in names if tied and any(_regex(s).fullmatch(n) for s in head.sources)]
+    present = set(names)
+    missing: list[str] = []
+    first = [r for r in fam.rules if r.stage == "first"]
+    per_layer = [r for r in fam.rules if r.stage == "layer"]
+    last = [r for r in fam.rules if r.stage == "last" and not (tied and r is head)]
+    params: list[Param] = []
+
+    def add(rule: Rule, layer: int | None) -> None:
+        if rule not in hit and rule.optional and rule is not head:  # an untied model needs its head
+            return
+        for e in range(experts or 1) if "E" in rule.placeholders else [None]:
+            expert_range = range(experts or 1) if rule.stacks_experts else [e]
+            srcs = tuple(tuple(s.format(L=layer, E=x) for s in rule.sources) for x in expert_range)
+            missing.extend(
+                f"{n} (for {rule.engine.format(L=layer, E=e)})" for group in srcs for n in group if n not in present
+            )
+            params.append(Param(rule, rule.engine.format(L=layer, E=e), layer, srcs))
+
+    for rule in first:
+        add(rule, None)
+    for layer in range(layers):
+        for rule in per_layer:
+            add(rule, layer)
+    for rule in last:
+        add(rule, None)
+    if missing:
+        raise LayoutError(f"family {fam.name}: the weights lack {len(missing)} tensor(s): {_listing(missing)}")
+    return Binding(fam, layers, experts, tied, tuple(params), tuple(ignored))
+
+
+def detect_family(names: Iterable[str]) -> str:
+    """The first family (in :data:`FAMILIES` order) whose rules fit ``names`` exactly.
+
+    Llama and Mistral checkpoints have the same names: both read as ``llama``
+    (their layouts are the same too). When none fits, the error says why for each.
+    """
+    names = list(names)
+    why = []
+    for fam in FAMILIES.values():
+        try:
+            bind(names, fam)
+        except LayoutError as e:
+            why.append(str(e))
+            continue
+        return fam.name
+    raise LayoutError("no known family fits these weights:\n  " + "\n  ".join(why))
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """Bound rules and a checked topology: everything a rank's shard depends on."""
+
+    binding: Binding
+    tp: int
+    pp: int
+    dp: int
+    ep: int
+    heads: int
+    kv_heads: int
+    vocab_padding: int
+    dtype: Any
+
+
+def _plan(
+    weights: Mapping[str, Any],
+    family: str | Family,
+    tie_embeddings: bool | None,
+    dtype: Any,
+    **sizes: int,
+) -> _Plan:
+    """Bind ``family`` to ``weights`` and check the topology against it, naming the first thing that does not fit."""
+    for label, v in sizes.items():
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise LayoutError(f"{label} must be a positive int, got {v!r}")
+    b = bind(weights.keys(), family, tie_embeddings=tie_embeddings)
+    p = _Plan(b, dtype=dtype, **sizes)
+    if p.heads % p.kv_heads:
+        raise LayoutError(f"heads ({p.heads}) must be a multiple of kv_heads ({p.kv_heads})")
+    if p.heads % p.tp:
+        raise LayoutError(f"heads ({p.heads}) do not divide by tp={p.tp}")
+    if p.kv_heads % p.tp and p.tp % p.kv_heads:
+        raise LayoutError(f"tp={p.tp} must divide kv_heads ({p.kv_heads}) or be a multiple of it")
+    if p.pp > b.layers:
+        raise LayoutError(f"pp={p.pp} exceeds the {b.layers} layers: a stage would hold none")
+    if p.ep > 1:
+        if not any(param.rule.stacks_experts for param in b.params):
+            raise LayoutError(f"ep={p.ep}: family {b.family.name} has no FusedMoE experts to place")
+        if p.ep != p.tp * p.dp:
+            raise LayoutError(
+                f"ep={p.ep}: vLLM's expert parallelism spans every TP x DP rank: ep must be 1 or tp*dp = {p.tp * p.dp}"
+            )
+        if p.ep > b.experts:
+            raise LayoutError(f"ep={p.ep} exceeds the {b.experts} experts")
+    return p
+
+
+def expected_shards(
+    weights: Mapping[str, torch.Tensor] | str | Path,
+    family: str | Family,
+    *,
+    tp: int,
+    pp: int = 1,
+    dp: int = 1,
+    ep: int = 1,
+    heads: int,
+    kv_heads: int,
+    vocab_padding: int = 64,
+    tie_embeddings: bool | None = None,
+    dtype: torch.dtype | None = None,
+) -> Iterator[tuple[Coords, str, torch.Tensor]]:
+    """(coords, engine name, tensor) for every parameter of every engine rank, in rank order.
+
+    ``weights`` are full Hugging Face tensors (a state dict, or the path of a
+    safetensors checkpoint, read lazily). ``coords`` holds ``rank``, ``dp``, ``pp``,
+    ``tp`` and ``ep`` (None unless ``ep > 1``; then ``ep`` must be ``tp * dp``).
+    FusedMoE experts are spread over the ``tp * dp`` ranks of a stage, as vLLM does:
+    sliced, or as blocks of whole experts under expert parallelism.
+    ``vocab_padding`` is vLLM's ``DEFAULT_VOCAB_PADDING_SIZE`` (64): the vocabulary
+    is padded to a multiple of it before the TP split, and then to a multiple of
+    ``tp`` (where vLLM would refuse instead); the simulated engine pads to ``tp``
+    only, so compare it with ``vocab_padding=1``. ``dtype`` is the engine's
+    parameter dtype when it differs from the weights'. Errors are
+    :class:`LayoutError` and name the tensor, dim or size that does not fit.
+    """
+    weights = checkpoint_weights(weights) if isinstance(weights, (str, Path)) else weights
+    sizes = {
+        "tp": tp,
+        "pp": pp,
+        "dp": dp,
+        "ep": ep,
+        "heads": heads,
+        "kv_heads": kv_heads,
+        "vocab_padding": vocab_padding,
+    }
+    plan = _plan(weights, family, tie_embeddings, dtype, **sizes)  # errors now, not at the first next()
+    return ((coords, name, t) for coords in rank_coords(tp, pp, dp, ep) for name, t in _rank(weights, plan, coords))
+
+
+def _rank(weights: Mapping[str, torch.Tensor], plan: _Plan, coords: Coords) -> list[tuple[str, torch.Tensor]]:
+    """One rank's parameters, cut from ``weights``."""
+    b, stage, last = plan.binding, coords["pp"], plan.pp - 1
+    own = stage_layers(b.layers, plan.pp)[stage]
+    slot = moe_slot(coords, plan.tp)  # FusedMoE spans the stage's TP x DP ranks
+    experts = expert_block(b.experts, slot, plan.ep) if plan.ep > 1 else range(b.experts)
+    moe_tp, moe_tp_size = (0, 1) if plan.ep > 1 else (slot, plan.tp * plan.dp)
+    cut = Cut(coords["tp"], plan.tp, plan.heads, plan.kv_heads, plan.vocab_padding, moe_tp, moe_tp_size)
+    out = []
+    for p in b.params:
+        on = {"layer": p.layer in own, "first": stage == 0, "last": stage == last}[p.rule.stage]
+        if b.tied and p.name == b.family.embedding and stage == last:
+            on = True  # a tied head is the embedding: the last stage holds it too
+        if not on:
+            continue
+        if p.rule.stacks_experts:
+            src: Any = [tuple(weights[n] for n in p.sources[e]) for e in experts]
+        else:
+            src = [weights[n] for n in p.sources[0]]
+        t = SPLITS[p.rule.kind](src, cut, p.name)
+        out.append((p.name, (t if plan.dtype is None else t.to(plan.dtype)).contiguous()))
+    return out
+
+
+def expected_frame(
+    weights: Mapping[str, torch.Tensor] | str | Path,
+    family: str | Family,
+    *,
+    tp: int,
+    pp: int = 1,
+    dp: int = 1,
+    ep: int = 1,
+    heads: int,
+    kv_heads: int,
+    vocab_padding: int = 64,
+    tie_embeddings: bool | None = None,
+    dtype: torch.dtype | None = None,
+    algo: str | None = None,
+    backend: str = "auto",
+    role: str = "engine",
+    **rank_info: Any,
+) -> pd.DataFrame:
+    """The digest table every engine rank should report, ready for :func:`wcviz.compare`.
+
+    Arguments as :func:`expected_shards`; rows carry ``rank``, ``dp``, ``pp``,
+    ``tp`` (and ``ep`` when ``ep > 1``) as the engine's agents report them;
+    ``rank_info`` (``host``, ``phase``, ``step``) is stamped on every row. A DP
+    replica reuses the digests of the replica before it, unless FusedMoE experts
+    (spread over DP ranks too) make them differ.
+    """
+    from wcviz.digest import DEFAULT_ALGO, digest_timed
+    from wcviz.frame import make_frame, shape_str
+    from wcviz.sources._tensors import check_rank_info
+
+    info = check_rank_info({"role": role, **rank_info})
+    info.setdefault("phase", "current")
+    weights = checkpoint_weights(weights) if isinstance(weights, (str, Path)) else weights
+    sizes = {
+        "tp": tp,
+        "pp": pp,
+        "dp": dp,
+        "ep": ep,
+        "heads": heads,
+        "kv_heads": kv_heads,
+        "vocab_padding": vocab_padding,
+    }
+    plan = _plan(weights, family, tie_embeddings, dtype, **sizes)
+    rows: list[dict[str, Any]] = []
+    done: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+    moe = any(p.rule.stacks_experts for p in plan.binding.params)  # FusedMoE differs between DP replicas
+    for coords in rank_coords(tp, pp, dp, ep):
+        key = (coords["pp"], coords["tp"], coords["dp"] if moe else None)
+        if key not in done:  # one frame for all ranks: building a frame costs more than digesting a small shard
+            named = _rank(weights, plan, coords)
+            timed = digest_timed(named, algo=algo or DEFAULT_ALGO, backend=backend, progress=False)
+            done[key] = [
+                {
+                    "name": n,
+                    "digest": str(timed[n][0]),
+                    "algo": timed[n][0].algo,
+                    "dtype": str(t.dtype).removeprefix("torch."),
+                    "shape": shape_str(t.shape),
+                    "nbytes": t.numel() * t.element_size(),
+                    "device": str(t.device),
+                    "seconds": timed[n][1],
+                }
+                for n, t in named
+            ]
+        rows.extend({**row, **info, **coords} for row in done[key])
+    return make_frame(rows)
+
+
+class _Checkpoint(Mapping):
+    """A safetensors checkpoint as a read-only name -> tensor mapping that reads a tensor when asked."""
+
+    def __init__(self, path: str | Path) -> None:
+        from wcviz.sources._safetensors import checkpoint_files
+
+        self.path = Path(path)
+        self.where: dict[str, Path] = {}
+        for f in checkpoint_files(path):
+            from safetensors import safe_open
+
+            with safe_open(str(f), "pt") as h:
+                self.where.update({n: f for n in h.keys()})  # noqa: SIM118 (safe_open has no __iter__)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        with safe_open(str(self.where[name]), "pt") as h:
+            return h.get_tensor(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.where)
+
+    def __len__(self) -> int:
+        return len(self.where)
+
+
+def checkpoint_weights(path: str | Path) -> Mapping[str, torch.Tensor]:
+    """A safetensors file or checkpoint directory as a lazy name -> tensor mapping."""
+    return _Checkpoint(path)

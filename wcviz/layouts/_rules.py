@@ -1,0 +1,128 @@
+"""The vocabulary layout rules are written in: :class:`Rule`, :class:`Family` and the split kinds.
+
+A rule says which Hugging Face tensors an engine parameter is built from, and how
+one rank's piece is cut out of them. It is data: nothing here touches a tensor.
+Names are templates: ``{L}`` stands for a layer index, ``{E}`` for an expert index.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from wcviz._errors import WcvizError
+
+__all__ = ["KINDS", "STAGES", "Family", "LayoutError", "Rule"]
+
+# How one rank's piece of an engine parameter is cut from its sources (vLLM's layer class in brackets).
+KINDS = {
+    "replicated": "the source, whole, on every rank [ReplicatedLinear, RMSNorm]",
+    "column": "dim 0 split into tp equal parts [ColumnParallelLinear]",
+    "row": "dim 1 split into tp equal parts [RowParallelLinear]",
+    "vocab": "dim 0 zero-padded to a multiple of vocab_padding, then split into tp parts [VocabParallelEmbedding, ParallelLMHead]",
+    "qkv": "q split by heads, k and v by kv heads (a kv head replicated over tp // kv_heads ranks), concatenated [QKVParallelLinear]",
+    "merged_column": "each source split along dim 0, then concatenated [MergedColumnParallelLinear]",
+    "moe_w13": "per local expert: [w1 ; w3] each split along dim 0, stacked over experts [FusedMoE w13_weight]",
+    "moe_w2": "per local expert: w2 split along dim 1, stacked over experts [FusedMoE w2_weight]",
+}
+# Which pipeline stages hold a parameter: the one owning its layer, the first, or the last.
+STAGES = ("layer", "first", "last")
+_STACKED_OVER_EXPERTS = ("moe_w13", "moe_w2")
+_ARITY = {"qkv": (3,), "moe_w13": (2,), "merged_column": range(2, 9)}  # how many sources a kind fuses; others take 1
+
+
+class LayoutError(WcvizError, ValueError):
+    """Weights, a topology or a family's rules that do not fit together; the message names what."""
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One engine parameter: its name, the HF tensors it is made of (in order), and how it splits.
+
+    ``engine`` and ``sources`` may hold ``{L}`` (layer) and ``{E}`` (expert). The
+    FusedMoE kinds stack experts: ``{E}`` is in their sources only, and one engine
+    parameter per layer holds the rank's experts. Elsewhere both sides carry the
+    same placeholders. ``stage`` defaults to ``layer`` for names with ``{L}``;
+    other parameters must say ``first`` or ``last``. An ``optional`` rule may be
+    absent from a checkpoint as a whole (a tied head); if any of its tensors is
+    present, all of them must be.
+    """
+
+    engine: str
+    sources: tuple[str, ...]
+    kind: str
+    stage: str = ""
+    optional: bool = False
+    placeholders: frozenset[str] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise LayoutError(f"rule {self.engine}: unknown kind {self.kind!r}; kinds: {', '.join(KINDS)}")
+        if not self.sources or isinstance(self.sources, str):
+            raise LayoutError(f"rule {self.engine}: sources must be a non-empty tuple of names")
+        n = len(self.sources)
+        if n not in _ARITY.get(self.kind, (1,)):
+            raise LayoutError(f"rule {self.engine}: kind {self.kind} cannot fuse {n} source(s)")
+        engine = _placeholders(self.engine)
+        if self.stacks_experts and "E" in engine:
+            raise LayoutError(f"rule {self.engine}: a {self.kind} parameter stacks experts, its name has no {{E}}")
+        want = engine | {"E"} if self.stacks_experts else engine
+        for s in self.sources:
+            if _placeholders(s) != want:
+                raise LayoutError(f"rule {self.engine}: source {s} must carry the placeholders {sorted(want)}")
+        stage = self.stage or ("layer" if "L" in engine else "")
+        if stage not in STAGES or (stage == "layer") != ("L" in engine):
+            raise LayoutError(
+                f"rule {self.engine}: stage must be 'layer' for a name with {{L}}, else 'first' or 'last'"
+            )
+        object.__setattr__(self, "stage", stage)
+        object.__setattr__(self, "placeholders", engine)
+
+    @property
+    def stacks_experts(self) -> bool:
+        """True for FusedMoE rules: one engine parameter holds every local expert."""
+        return self.kind in _STACKED_OVER_EXPERTS
+
+
+@dataclass(frozen=True)
+class Family:
+    """A model family's rules, plus what a tied embedding changes.
+
+    When the checkpoint has no tensor for the ``head`` rule (or ``tie_embeddings``
+    is given), the head is the embedding: vLLM holds no separate head parameter and
+    ignores a head tensor in the checkpoint, and when pp > 1 its last stage holds
+    the ``embedding`` parameter as well as the first (vLLM's Llama-family models).
+    Checkpoint names containing one of ``skipped`` are not weights (old checkpoints
+    saved rotary buffers); vLLM's loader skips them, and so do the rules.
+    """
+
+    name: str
+    rules: tuple[Rule, ...]
+    doc: str = ""
+    head: str = "lm_head.weight"
+    embedding: str = "model.embed_tokens.weight"
+    skipped: tuple[str, ...] = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+
+    def __post_init__(self) -> None:
+        engines = [r.engine for r in self.rules]
+        dup = sorted({e for e in engines if engines.count(e) > 1})
+        if dup:
+            raise LayoutError(f"family {self.name}: more than one rule for {', '.join(dup)}")
+        sources = [s for r in self.rules for s in r.sources]
+        dup = sorted({s for s in sources if sources.count(s) > 1})
+        if dup:
+            raise LayoutError(f"family {self.name}: {', '.join(dup)} feed more than one rule")
+        for role, name, stage in (("head", self.head, "last"), ("embedding", self.embedding, "first")):
+            rule = self.rule(name)
+            if rule.kind != "vocab" or rule.stage != stage:
+                raise LayoutError(f"family {self.name}: the {role} {name} must be a vocab rule on the {stage} stage")
+
+    def rule(self, engine: str) -> Rule:
+        """The rule that makes engine parameter ``engine`` (a template name)."""
+        for r in self.rules:
+            if r.engine == engine:
+                return r
+        raise LayoutError(f"family {self.name} has no rule for {engine}")
+
+
+def _placeholders(template: str) -> frozenset[str]:
+    return frozenset(p for p in ("L", "E") if "{" + p + "}" in template)

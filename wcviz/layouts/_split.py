@@ -1,0 +1,122 @@
+"""Cut one rank's piece of an engine parameter out of full Hugging Face tensors, one function per kind.
+
+Each function takes the rule's source tensors (for the FusedMoE kinds: one tuple
+per local expert) and the rank's :class:`Cut`, and returns the piece. Nothing
+here knows names, stages or checkpoints; errors say which dim does not divide.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from wcviz.layouts._rules import KINDS, LayoutError
+
+__all__ = ["SPLITS", "Cut", "padded_vocab"]
+
+
+@dataclass(frozen=True)
+class Cut:
+    """What a rank's piece depends on: its TP slot (and the MoE's own), heads, vocab padding."""
+
+    tp: int
+    tp_size: int
+    heads: int
+    kv_heads: int
+    vocab_padding: int
+    moe_tp: int  # the slice of each FusedMoE expert: the rank's slot among the stage's tp * dp ranks (0 under EP)
+    moe_tp_size: int  # tp * dp (1 under expert parallelism: whole experts)
+
+
+def padded_vocab(vocab: int, padding: int, tp: int) -> int:
+    """Rows of a vocab-parallel parameter over all ranks: vocab rounded up to ``padding``, then to ``tp``."""
+    rows = -(-vocab // padding) * padding
+    return -(-rows // tp) * tp
+
+
+def _part(t: torch.Tensor, dim: int, index: int, parts: int, what: str) -> torch.Tensor:
+    """Part ``index`` of ``parts`` equal parts of ``t`` along ``dim``."""
+    n = t.shape[dim]
+    if n % parts:
+        raise LayoutError(f"{what}: dim {dim} ({n}) does not divide by {parts}")
+    size = n // parts
+    return t.narrow(dim, index * size, size)
+
+
+def _replicated(src: Sequence[torch.Tensor], c: Cut, what: str) -> torch.Tensor:
+    return src[0]
+
+
+def _column(src: Sequence[torch.Tensor], c: Cut, what: str) -> torch.Tensor:
+    return _part(src[0], 0, c.tp, c.tp_size, f"{what} (tp={c.tp_size})")
+
+
+def _row(src: Sequence[torch.Tensor], c: Cut, what: str) -> torch.Tensor:
+    return _part(src[0], 1, c.tp, c.tp_size, f"{what} (tp={c.tp_size})")
+
+
+def _merged_column(src: Sequence[torch.Tensor], c: Cut, what: str) -> torch.Tensor:
+    return torch.cat([_part(s, 0, c.tp, c.tp_size, f"{what} (tp={c.tp_size})") for s in src])
+
+
+def _vocab(src: Sequence[torch.Tensor], c: Cut, what: str) -> torch.Tensor:
+    full = src[0]
+    rows = padded_vocab(full.shape[0], c.vocab_padding, c.tp_size) // c.tp_size
+    piece = full[c.tp * rows : (c.tp + 1) * rows]
+    out = torch.zeros((rows, *full.shape[1:]), dtype=full.dtype, device=full.device)  # vLLM zero-fills padding
+    out[: piece.shape[0]] = piece
+    return out
+
+
+def _heads(t: torch.Tensor, heads: int, what: str) -> int:
+    """Rows per head of a q/k/v tensor of ``heads`` heads."""
+    if t.shape[0] % heads:
+        raise LayoutError(f"{what}: dim 0 ({t.shape[0]}) does not divide by {heads} heads")
+    return t.shape[0] // heads
+
+
+def _qkv(src: Sequence[torch.Tensor], c: Cut, what: str) -> torch.Tensor:
+    q, k, v = src
+    size = _heads(q, c.heads, f"{what} q")
+    if _heads(k, c.kv_heads, f"{what} k") != size or _heads(v, c.kv_heads, f"{what} v") != size:
+        raise LayoutError(
+            f"{what}: heads={c.heads} and kv_heads={c.kv_heads} give q {size} rows per head but k "
+            f"{k.shape[0] // c.kv_heads} and v {v.shape[0] // c.kv_heads}: check heads and kv_heads"
+        )
+    q_heads = c.heads // c.tp_size
+    if c.tp_size <= c.kv_heads:  # kv heads split like q heads
+        kv_heads, kv_slot = c.kv_heads // c.tp_size, c.tp
+    else:  # one kv head per rank, each replicated over tp // kv_heads consecutive ranks
+        kv_heads, kv_slot = 1, c.tp // (c.tp_size // c.kv_heads)
+    return torch.cat(
+        [
+            q.narrow(0, c.tp * q_heads * size, q_heads * size),
+            k.narrow(0, kv_slot * kv_heads * size, kv_heads * size),
+            v.narrow(0, kv_slot * kv_heads * size, kv_heads * size),
+        ]
+    )
+
+
+def _moe_w13(experts: Sequence[Sequence[torch.Tensor]], c: Cut, what: str) -> torch.Tensor:
+    w = f"{what} (moe tp={c.moe_tp_size})"
+    return torch.stack([torch.cat([_part(s, 0, c.moe_tp, c.moe_tp_size, w) for s in pair]) for pair in experts])
+
+
+def _moe_w2(experts: Sequence[Sequence[torch.Tensor]], c: Cut, what: str) -> torch.Tensor:
+    w = f"{what} (moe tp={c.moe_tp_size})"
+    return torch.stack([_part(one[0], 1, c.moe_tp, c.moe_tp_size, w) for one in experts])
+
+
+SPLITS: dict[str, Callable[..., torch.Tensor]] = {
+    "replicated": _replicated,
+    "column": _column,
+    "row": _row,
+    "vocab": _vocab,
+    "qkv": _qkv,
+    "merged_column": _merged_column,
+    "moe_w13": _moe_w13,
+    "moe_w2": _moe_w2,
+}
+assert set(SPLITS) == set(KINDS)

@@ -1,0 +1,25 @@
+"""Qwen2: vLLM's ``Qwen2ForCausalLM``, Llama's layout plus q/k/v biases fused into ``qkv_proj.bias``.
+
+Qwen2's smaller checkpoints tie the head to the embedding (no ``lm_head.weight``).
+"""
+
+from __future__ import annotations
+
+from wcviz.layouts._rules import Family, Rule
+from wcviz.layouts.llama import ATTENTION, DENSE_MLP, EMBEDDING, HEAD, NORMS
+
+__all__ = ["QKV_BIAS", "QWEN2"]
+
+_L = "model.layers.{L}."
+
+QKV_BIAS = (
+    Rule(
+        _L + "self_attn.qkv_proj.bias",
+        (_L + "self_attn.q_proj.bias", _L + "self_attn.k_proj.bias", _L + "self_attn.v_proj.bias"),
+        "qkv",
+    ),
+)
+
+QWEN2 = Family(
+    "qwen2", (*EMBEDDING, *ATTENTION, *QKV_BIAS, *NORMS, *DENSE_MLP, *HEAD), doc="Qwen2: Llama plus fused q/k/v biases"
+)
