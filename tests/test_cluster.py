@@ -347,3 +347,13 @@ def test_a_second_check_after_a_partial_reload_is_not_void(healthy: Cluster) -> 
     first = healthy.endstate(faults=FAULTS["skip_down_proj"])
     second = healthy.endstate()
     assert _bad(first) == _bad(second) == _expected("skip_down_proj")
+
+
+def test_expected_shard_check_catches_a_persistent_wrong_shard_the_endstate_check_passes(healthy: Cluster) -> None:
+    assert set(healthy.expected_check()["status"]) == {"match"}
+    healthy.set_faults(FAULTS["fused_from_rank0"])
+    healthy.refit()  # the wrong shard is in place before the snapshot, and is written again on reload
+    assert healthy.endstate().ok
+    verdicts = healthy.expected_check()
+    bad = {(int(r.rank), r.name, r.status) for r in verdicts[verdicts["status"] != "match"].itertuples()}
+    assert bad == {(rank, name, "mismatch") for rank, name, _ in _expected("fused_from_rank0")}

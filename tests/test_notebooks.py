@@ -24,7 +24,10 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS_DIR = ROOT / "notebooks"
 SANITIZE = ROOT / "tests" / "nbval_sanitize.cfg"
-NOTEBOOKS = ["01_quickstart.ipynb", "02_partial_update.ipynb", "03_topology.ipynb", "04_checksum_cost.ipynb"]
+NOTEBOOKS = [
+    "01_quickstart.ipynb", "02_partial_update.ipynb", "03_topology.ipynb", "04_checksum_cost.ipynb",
+    "05_expected_shards.ipynb",
+]
 CELL_TIMEOUT_S = 300
 RUN_TIMEOUT_S = 900
 

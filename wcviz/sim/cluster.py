@@ -355,6 +355,37 @@ class Cluster:
 
         return fetch(self.urls(role), **kwargs)
 
+    def expected(self) -> pd.DataFrame:
+        """What every engine rank should hold now: :func:`wcviz.layouts.expected_frame` of the trainer's weights.
+
+        The trainer saves its current weights as a checkpoint and the layout rules (written
+        apart from the simulated loader) cut and digest them per rank. The sim pads the
+        vocabulary to a multiple of TP only, hence ``vocab_padding=1``.
+        """
+        from wcviz.layouts import detect_family, expected_frame
+
+        path = self.save_checkpoint()
+        from wcviz.sim.model import parameter_shapes
+
+        family = detect_family(list(parameter_shapes(self.cfg)))
+        return expected_frame(
+            path, family, tp=self.layout.tp, pp=self.layout.pp, dp=self.layout.dp,
+            heads=self.cfg.heads, kv_heads=self.cfg.kv_heads, vocab_padding=1, algo=self.algo,
+        )  # fmt: skip
+
+    def expected_check(self) -> pd.DataFrame:
+        """The expected-shard check: :meth:`expected` against every engine agent's digests (:func:`wcviz.compare`).
+
+        Catches what the end-state check cannot: a loader bug that writes the same wrong
+        shard on every load. Ranks that do not answer are ``missing`` rows here; see
+        :meth:`fetch` for why.
+        """
+        from wcviz.verdicts import compare
+
+        expected = self.expected()
+        actual = self.fetch().frame
+        return compare(expected, actual.drop(columns="url"))
+
     def kill(self, rank: int) -> None:
         """SIGKILL engine ``rank`` (a crashed rank, for tests and demos); the others keep running."""
         key = self._engine_keys([rank])[0]
