@@ -85,3 +85,12 @@ def test_make_demo_runs_the_cluster_and_finds_the_partial_update(tmp_path: Path)
     for pid in pids:
         stat = Path(f"/proc/{pid}/stat")
         assert not stat.exists() or stat.read_text().split()[2] == "Z", f"rank process {pid} outlived the demo"
+
+
+def test_readme_mentions_every_notebook_and_make_target() -> None:
+    text = (REPO / "README.md").read_text()
+    for nb in sorted((REPO / "notebooks").glob("*.ipynb")):
+        assert nb.stem in text, nb.name
+    makefile = (REPO / "Makefile").read_text()
+    for target in ("demo", "test", "lab", "bench"):
+        assert f"\n{target}:" in makefile and f"make {target}" in text, target

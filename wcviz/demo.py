@@ -91,6 +91,7 @@ def run(fault: str = "skip", out: str | Path = "demo-out", *, tp: int = 2, pp: i
     found = not report.ok
     expected = fault != "none"
     _say(f"the end-state check {'found' if found else 'did not find'} a problem ({'as expected' if found == expected else 'NOT as expected'})")
+    _say("next: `make lab` opens JupyterLab on notebooks/; 02_partial_update.ipynb runs this check from a dashboard")
     return 0 if found == expected else 1
 
 
