@@ -176,7 +176,7 @@ def fleet(
         deadline = time.monotonic() + start_timeout_s
         while pending:
             try:
-                index, hosted, error = report.get(timeout=1.0)
+                index, reported, error = report.get(timeout=1.0)
             except queue.Empty:
                 dead = [w.name for i, w in enumerate(workers) if i in pending and not w.is_alive()]
                 if dead:
@@ -188,7 +188,7 @@ def fleet(
                 continue
             if error is not None:
                 raise RuntimeError(f"worker {index} failed to start its agents: {error}")
-            urls.update(dict(hosted))
+            urls.update(dict(reported))
             pending.discard(index)
         if sorted(urls) != list(range(agents)):
             raise RuntimeError(f"expected ranks 0..{agents - 1}, workers reported {len(urls)}")
