@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 import subprocess
 import sys
 from pathlib import Path
@@ -229,8 +228,6 @@ def test_endstate_verdicts_from_classify() -> None:
 
 
 def test_endstate_verdicts_with_an_unreachable_rank() -> None:
-    if "unreachable" not in inspect.signature(classify).parameters:
-        pytest.skip("classify does not take unreachable ranks yet")
     names = [EMBED, _layer(0), HEAD]
     keys = [(r, n) for r in (0, 1) for n in names]
     snap = {k: f"{i:032x}" for i, k in enumerate(keys)}

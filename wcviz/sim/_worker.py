@@ -13,6 +13,7 @@ every rank in order.
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import os
 import signal
@@ -70,7 +71,7 @@ def _die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
-class _Rank:
+class _Rank(abc.ABC):
     """What trainer and engine ranks share: identity, a lock over the weights, the agent, digests."""
 
     def __init__(self, spec: Spec) -> None:
@@ -79,8 +80,9 @@ class _Rank:
         self.agent: Any = None
         self.coords: dict[str, int | None] = {"dp": None, "pp": None, "tp": None, "ep": None}
 
+    @abc.abstractmethod
     def named(self) -> dict[str, torch.Tensor]:
-        raise NotImplementedError
+        """The rank's weights by name, live (the agent digests what this returns)."""
 
     def identity(self) -> dict[str, Any]:
         return {"role": self.spec.role, "rank": self.spec.rank, **self.coords, "host": self.spec.host}
