@@ -460,3 +460,41 @@ def test_import_stays_cheap_and_registers_the_accessor() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.splitlines()
     assert out == ["[]", "legend: . match", "True False"]
+
+
+def test_zoo_matches_published_parameter_counts() -> None:
+    import math
+
+    from wcviz.bench import ZOO
+    from wcviz.sim.model import parameter_shapes
+
+    counts = {n: sum(math.prod(s) for s in parameter_shapes(c).values()) for n, c in ZOO.items() if n != "sim-tiny"}
+    assert counts == {"llama-3-8b": 8_030_261_248, "llama-3-70b": 70_553_706_496,
+                      "qwen2.5-7b": 7_615_616_512, "mixtral-8x7b": 46_702_792_704}
+
+
+def test_predicted_cost_from_given_rates_and_measured_where_small() -> None:
+    from wcviz.bench import PREDICTED_COLUMNS, predicted_cost, predicted_text
+
+    rates = pd.DataFrame({"backend": ["numba"], "device": ["cpu"], "gbps": [2.0], "overhead_s": [1e-4]})
+    cost = predicted_cost(["llama-3-8b", "sim-tiny"], rates)
+    assert tuple(cost.columns) == PREDICTED_COLUMNS
+    big = cost[cost["model"] == "llama-3-8b"].iloc[0]
+    assert big["nbytes"] == 2 * 8_030_261_248 and big["params"] == 291
+    assert big["predicted_s"] == pytest.approx(2 * 8_030_261_248 / 2e9 + 291 * 1e-4)
+    assert pd.isna(big["measured_s"])  # 16 GB is never built here
+    assert cost[cost["model"] == "sim-tiny"]["measured_s"].iloc[0] > 0
+    text = predicted_text(cost)
+    assert "llama-3-8b     numba       291    16.06" in text and "predicted = bytes / measured GB/s" in text
+    with pytest.raises(ValueError, match="unknown model 'gpt-5'"):
+        predicted_cost(["gpt-5"], rates)
+    with pytest.raises(ValueError, match="rates lack column"):
+        predicted_cost(["sim-tiny"], rates.drop(columns="gbps"))
+
+
+def test_cli_bench_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    from wcviz.cli import main as cli
+
+    assert cli(["bench", "--models", "sim-tiny", "--backends", "numba", "--big-mib", "1"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("measured: numba ") and "sim-tiny       numba        30" in out

@@ -8,6 +8,7 @@ whose weights :func:`wcviz.sim.model.build_state_dict` makes from a seed.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -17,7 +18,16 @@ import pandas as pd
 from wcviz.digest import BACKENDS, digest_many, resolve_backend
 from wcviz.sim.model import TINY, TINY_MOE, ModelConfig, build_state_dict
 
-__all__ = ["COST_COLUMNS", "MODELS", "checksum_cost"]
+__all__ = [
+    "COST_COLUMNS",
+    "MODELS",
+    "PREDICTED_COLUMNS",
+    "ZOO",
+    "checksum_cost",
+    "predicted_cost",
+    "predicted_text",
+    "throughput",
+]
 
 MODELS: dict[str, ModelConfig] = {
     "llama-tiny": TINY,  # ~0.2 MB bf16, 29 tensors
@@ -25,6 +35,19 @@ MODELS: dict[str, ModelConfig] = {
     "moe-tiny": TINY_MOE,  # ~0.4 MB bf16, 4 experts per layer
 }
 COST_COLUMNS = ("model", "backend", "device", "params", "numel", "nbytes", "seconds", "gbps")
+
+# Real models by their config numbers alone (never materialised unless small): parameter
+# counts match the published ones (8.03 B, 70.55 B, 7.62 B, 46.70 B), bf16 as served.
+ZOO: dict[str, ModelConfig] = {
+    "llama-3-8b": ModelConfig(vocab=128256, hidden=4096, layers=32, heads=32, kv_heads=8, intermediate=14336),
+    "llama-3-70b": ModelConfig(vocab=128256, hidden=8192, layers=80, heads=64, kv_heads=8, intermediate=28672),
+    "qwen2.5-7b": ModelConfig(vocab=152064, hidden=3584, layers=28, heads=28, kv_heads=4, intermediate=18944, qkv_bias=True),
+    "mixtral-8x7b": ModelConfig(
+        vocab=32000, hidden=4096, layers=32, heads=32, kv_heads=8, intermediate=14336, experts=8, moe_style="mixtral"
+    ),
+    "sim-tiny": TINY,  # the simulated cluster's model
+}
+PREDICTED_COLUMNS = ("model", "backend", "device", "params", "nbytes", "predicted_s", "measured_s", "gbps", "overhead_s")
 
 
 def _models(models: Iterable[str] | Mapping[str, ModelConfig] | None) -> dict[str, ModelConfig]:
@@ -102,3 +125,103 @@ def checksum_cost(
     out = pd.DataFrame(rows, columns=list(COST_COLUMNS))
     return out.astype({"model": "string", "backend": "string", "device": "string", "params": "int64",
                        "numel": "int64", "nbytes": "int64", "seconds": "float64", "gbps": "float64"})
+
+
+def throughput(
+    backends: Sequence[str] = ("torch", "numba"), *, big_mib: int = 64, small_numel: int = 4096, n_small: int = 200, repeat: int = 3
+) -> pd.DataFrame:
+    """Per backend on this machine's CPU: GB/s on one large bf16 tensor, and the fixed cost per tensor.
+
+    ``gbps`` is the median over ``repeat`` digests of a ``big_mib`` MiB tensor; ``overhead_s``
+    is what each of ``n_small`` small tensors (``small_numel`` bf16 values) costs beyond its
+    bytes at that rate. Columns: backend, device, gbps, overhead_s.
+    """
+    import torch
+
+    chosen = _backends(backends)
+    if big_mib < 1 or small_numel < 1 or n_small < 1 or repeat < 1:
+        raise ValueError("big_mib, small_numel, n_small and repeat must all be >= 1")
+    big = {"big": torch.randn(big_mib << 19).to(torch.bfloat16)}  # MiB of bf16 = 2**19 values
+    small = {f"s{i}": torch.randn(small_numel).to(torch.bfloat16) for i in range(n_small)}
+    rows = []
+    for backend in chosen:
+        digest_many({"warm": small["s0"]}, backend=backend)
+
+        def timed(tensors: dict, backend: str = backend) -> float:
+            times = []
+            for _ in range(repeat):
+                t0 = time.perf_counter()
+                digest_many(tensors, backend=backend)
+                times.append(time.perf_counter() - t0)
+            return statistics.median(times)
+
+        big_s = timed(big)
+        gbps = (big_mib << 20) / big_s / 1e9
+        per_small = timed(small) / n_small - small_numel * 2 / (gbps * 1e9)
+        rows.append({"backend": backend, "device": "cpu", "gbps": gbps, "overhead_s": max(per_small, 0.0)})
+    return pd.DataFrame(rows).astype({"backend": "string", "device": "string"})
+
+
+def predicted_cost(
+    models: Iterable[str] | Mapping[str, ModelConfig] | None = None,
+    rates: pd.DataFrame | None = None,
+    *,
+    measure_below_bytes: int = 64 << 20,
+) -> pd.DataFrame:
+    """What digesting each model costs per backend: predicted from measured rates, measured where small.
+
+    ``models``: names from :data:`ZOO` (default: all) or ``{name: ModelConfig}``; only shapes
+    are used, nothing is built unless the model has fewer than ``measure_below_bytes`` bytes.
+    ``rates``: :func:`throughput`'s frame (measured now when None).
+    ``predicted_s = nbytes / gbps + params * overhead_s`` (a prediction, labelled so);
+    ``measured_s`` is a real whole-model digest time, NA where the model was not built.
+    Columns :data:`PREDICTED_COLUMNS`.
+    """
+    import math
+
+    from wcviz.sim.model import parameter_shapes
+
+    if models is None:
+        zoo = dict(ZOO)
+    elif isinstance(models, Mapping):
+        zoo = _models(models)
+    else:
+        names = [models] if isinstance(models, str) else list(models)
+        unknown = [n for n in names if n not in ZOO]
+        if unknown or not names:
+            raise ValueError(f"unknown model {', '.join(map(repr, unknown)) or '(none given)'}; choose from {', '.join(ZOO)}")
+        zoo = {n: ZOO[n] for n in names}
+    rates = throughput() if rates is None else rates
+    missing = {"backend", "gbps", "overhead_s"} - set(rates.columns)
+    if missing:
+        raise ValueError(f"rates lack column(s) {', '.join(sorted(missing))}; pass wcviz.bench.throughput()'s frame")
+    rows = []
+    for name, cfg in zoo.items():
+        shapes = parameter_shapes(cfg)
+        width = cfg.dtype.itemsize
+        nbytes = sum(math.prod(s) for s in shapes.values()) * width
+        small = nbytes < measure_below_bytes
+        measured = checksum_cost({name: cfg}, list(rates["backend"]), repeat=3) if small else None
+        for r in rates.itertuples(index=False):
+            m = measured[measured["backend"] == r.backend]["seconds"] if measured is not None else None
+            rows.append({
+                "model": name, "backend": r.backend, "device": getattr(r, "device", "cpu"), "params": len(shapes),
+                "nbytes": nbytes, "predicted_s": nbytes / (r.gbps * 1e9) + len(shapes) * r.overhead_s,
+                "measured_s": float(m.iloc[0]) if m is not None and len(m) else float("nan"),
+                "gbps": r.gbps, "overhead_s": r.overhead_s,
+            })
+    return pd.DataFrame(rows, columns=list(PREDICTED_COLUMNS)).astype({"model": "string", "backend": "string", "device": "string"})
+
+
+def predicted_text(cost: pd.DataFrame) -> str:
+    """The prediction as a terminal table: one line per (model, backend), predictions marked as such."""
+    lines = [f"{'model':<14} {'backend':<7} {'tensors':>7} {'GB':>8} {'predicted s':>12} {'measured s':>11}"]
+    for r in cost.itertuples(index=False):
+        measured = "-" if math.isnan(r.measured_s) else _secs(r.measured_s)
+        lines.append(f"{r.model:<14} {r.backend:<7} {r.params:>7} {r.nbytes / 1e9:>8.2f} {_secs(r.predicted_s):>12} {measured:>11}")
+    lines.append("predicted = bytes / measured GB/s + tensors x measured per-tensor cost (this machine, CPU)")
+    return "\n".join(lines)
+
+
+def _secs(x: float) -> str:
+    return f"{x:.2f}" if x >= 1 else f"{x:.4f}"

@@ -66,6 +66,12 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--timeout", type=float, default=60.0, metavar="S", help="per-request timeout in seconds (default 60)")
     e.add_argument("--no-progress", action="store_true", help="no progress bar")
 
+    b = sub.add_parser("bench", help="what digesting real models costs here: measured rates, predicted per model")
+    b.add_argument("--models", nargs="+", metavar="NAME", help="models from wcviz.bench.ZOO (default: all)")
+    b.add_argument("--backends", nargs="+", default=["torch", "numba"], choices=BACKENDS, help="digest backends (default torch numba)")
+    b.add_argument("--big-mib", type=int, default=64, help="size of the large tensor the rate is measured on (default 64)")
+    b.add_argument("--out", metavar="FILE", help="also write the frame (.csv/.parquet/.json)")
+
     m = sub.add_parser("demo", help="run the simulated-cluster demo (what `make demo` runs)", add_help=False)
     m.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the demo (see wcviz demo --help)")
     return p
@@ -195,6 +201,19 @@ def _endstate(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+def _bench(args: argparse.Namespace) -> int:
+    from wcviz.bench import predicted_cost, predicted_text, throughput
+
+    rates = throughput(args.backends, big_mib=args.big_mib)
+    for r in rates.itertuples(index=False):
+        print(f"measured: {r.backend} {r.gbps:.2f} GB/s on {args.big_mib} MiB of bf16, {r.overhead_s * 1e3:.3f} ms per extra tensor")
+    cost = predicted_cost(args.models, rates)
+    print(predicted_text(cost))
+    if args.out:
+        _write_verdicts(cost, args.out)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the exit status."""
     from wcviz._errors import WcvizError
@@ -205,7 +224,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return demo(argv[1:])
     args = _parser().parse_args(argv)
-    commands = {"digest": _digest, "compare": _compare, "fetch": _fetch, "endstate": _endstate}
+    commands = {"digest": _digest, "compare": _compare, "fetch": _fetch, "endstate": _endstate, "bench": _bench}
     try:
         return commands[args.command](args)
     except WcvizError as e:
