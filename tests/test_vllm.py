@@ -400,10 +400,10 @@ def test_extension_mixes_into_another_frameworks_extension() -> None:
             return "theirs"
 
     class Combined(FrameworkExtension, WcvizWorkerExtension):
-        pass
+        """Theirs first, then ours: how NeMo-RL's own extension would be combined."""
 
     class Worker(SimWorker, Combined):
-        pass
+        """A worker carrying the combined extension, as vLLM would build it."""
 
     w = Worker(0)
     assert w.update_weights_from_ipc() == "theirs" and len(w.wcviz_digests()["rows"]) == len(w.shard.params)
