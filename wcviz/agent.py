@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import math
 import re
 import socket
 import threading
@@ -94,16 +93,10 @@ async def _in_thread(fn: Callable[[], Any]) -> Any:
 
 
 def _json_value(v: Any) -> Any:
-    """A frame cell as JSON: NA/NaN -> null, numpy scalars -> Python."""
-    import pandas as pd
+    """A frame cell as JSON (:func:`wcviz.frame.json_cell`), imported only when rows are sent."""
+    from wcviz.frame import json_cell
 
-    if v is None or v is pd.NA:
-        return None
-    if hasattr(v, "item"):
-        v = v.item()
-    if isinstance(v, float) and math.isnan(v):
-        return None
-    return v
+    return json_cell(v)
 
 
 class Agent:

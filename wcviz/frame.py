@@ -59,6 +59,7 @@ __all__ = [
     "read_table",
     "write_table",
     "table_text",
+    "json_cell",
     "TABLE_SUFFIXES",
 ]
 
@@ -201,6 +202,17 @@ def validate(df: pd.DataFrame, source: str = "table") -> pd.DataFrame:
     if len(bad):
         raise TableError(f"{source}: column 'block' has {bad.iloc[0]!r}; expected one of {', '.join(BLOCKS)}")
     return frame
+
+
+def json_cell(v: Any) -> Any:
+    """A frame cell as a JSON value: NA/NaN -> null, numpy scalars -> Python (agents and engine adapters send rows so)."""
+    if v is None or v is pd.NA:
+        return None
+    if hasattr(v, "item"):
+        v = v.item()
+    if isinstance(v, float) and v != v:
+        return None
+    return v
 
 
 def write_table(df: pd.DataFrame, path: str | Path) -> Path:

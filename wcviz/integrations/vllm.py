@@ -158,18 +158,10 @@ def _device_uuid(device: torch.device) -> str | None:
 
 
 def _json_value(v: Any) -> Any:
-    """A frame cell as JSON: NA/NaN -> null, numpy scalars -> Python."""
-    import math
+    """A frame cell as JSON (:func:`wcviz.frame.json_cell`), imported only when rows are sent."""
+    from wcviz.frame import json_cell
 
-    import pandas as pd
-
-    if v is None or v is pd.NA:
-        return None
-    if hasattr(v, "item"):
-        v = v.item()
-    if isinstance(v, float) and math.isnan(v):
-        return None
-    return v
+    return json_cell(v)
 
 
 def _short(exc: BaseException) -> str:
