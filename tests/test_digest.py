@@ -392,7 +392,11 @@ def test_bad_input_is_named() -> None:
 
 def test_auto_backend_choice() -> None:
     assert resolve_backend("auto", "cpu") == "numba"
-    assert resolve_backend("auto", "cuda") == "torch"
+    import importlib.util
+
+    has_triton = importlib.util.find_spec("triton") is not None
+    assert resolve_backend("auto", "cuda") == ("triton" if has_triton else "torch")
+    assert resolve_backend("auto", "mps") == "torch"
     assert resolve_backend("torch", "cpu") == "torch"
 
 
@@ -424,8 +428,9 @@ def test_accumulator_collects_on_device_and_syncs_once(monkeypatch: pytest.Monke
     for name, t in named_batch().items():
         acc.add(name, t)
     assert calls == []  # nothing reached the host while streaming
-    assert acc.hex() == digest_many(named_batch(), backend="numba")
-    assert calls == [len(named_batch())]
+    got = acc.hex()
+    assert calls == [len(named_batch())]  # one sync for the whole stream
+    assert got == digest_many(named_batch(), backend="numba")
     with pytest.raises(DigestError, match="duplicate parameter names: scalar"):
         acc.add("scalar", torch.ones(1))
     sha = DigestAccumulator(algo="sha256")

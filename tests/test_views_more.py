@@ -485,7 +485,8 @@ def test_predicted_cost_from_given_rates_and_measured_where_small() -> None:
     assert pd.isna(big["measured_s"])  # 16 GB is never built here
     assert cost[cost["model"] == "sim-tiny"]["measured_s"].iloc[0] > 0
     text = predicted_text(cost)
-    assert "llama-3-8b     numba       291    16.06" in text and "predicted = bytes / measured GB/s" in text
+    assert "llama-3-8b     numba   cpu        291    16.06" in text and "predicted = bytes / measured GB/s" in text
+    assert "GPU: not measured on a GPU yet" in text
     with pytest.raises(ValueError, match="unknown model 'gpt-5'"):
         predicted_cost(["gpt-5"], rates)
     with pytest.raises(ValueError, match="rates lack column"):
@@ -497,4 +498,70 @@ def test_cli_bench_runs(capsys: pytest.CaptureFixture[str]) -> None:
 
     assert cli(["bench", "--models", "sim-tiny", "--backends", "numba", "--big-mib", "1"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("measured: numba ") and "sim-tiny       numba        30" in out
+    assert out.startswith("measured: numba ") and "sim-tiny       numba   cpu         30" in out
+
+
+def _runs_file(tmp_path: Path) -> Path:
+    import json
+
+    path = tmp_path / "gpu_runs.json"
+    path.write_text(json.dumps({"runs": [
+        {"date": "2026-11-30", "device": "NVIDIA H200", "backend": "triton", "gbps": 500.0, "overhead_s": 2e-5},
+        {"date": "2026-12-01", "device": "NVIDIA H200", "backend": "triton", "gbps": 1200.0, "overhead_s": 1e-5},
+    ]}))
+    return path
+
+
+def test_recorded_gpu_rates_are_labelled_and_never_measured_here(tmp_path: Path) -> None:
+    from wcviz.bench import RATE_COLUMNS, predicted_cost, predicted_text, recorded_rates
+
+    gpu = recorded_rates(_runs_file(tmp_path))
+    assert tuple(gpu.columns) == RATE_COLUMNS and len(gpu) == 1  # the latest run per device and backend
+    assert gpu.iloc[0]["gbps"] == 1200.0 and gpu.iloc[0]["rate_source"] == "recorded 2026-12-01 on NVIDIA H200"
+    cpu = pd.DataFrame({"backend": ["numba"], "device": ["cpu"], "gbps": [2.0], "overhead_s": [1e-4], "rate_source": ["measured here"]})
+    cost = predicted_cost(["sim-tiny", "llama-3-70b"], pd.concat([cpu, gpu], ignore_index=True))
+    on_gpu = cost[cost["device"] == "cuda"]
+    assert len(on_gpu) == 2 and on_gpu["measured_s"].isna().all()  # no GPU here: predicted only
+    assert on_gpu[on_gpu["model"] == "llama-3-70b"]["predicted_s"].iloc[0] == pytest.approx(141_107_412_992 / 1.2e12 + 723 * 1e-5)
+    assert cost[(cost["device"] == "cpu") & (cost["model"] == "sim-tiny")]["measured_s"].iloc[0] > 0
+    text = predicted_text(cost)
+    assert "triton on cuda: 1200.00 GB/s, 0.010 ms per tensor, recorded 2026-12-01 on NVIDIA H200" in text
+    assert "not measured on a GPU yet" not in text
+
+
+def test_recorded_rates_file_errors_name_the_file(tmp_path: Path) -> None:
+    from wcviz.bench import GPU_RUNS, recorded_rates
+
+    bad = tmp_path / "runs.json"
+    bad.write_text("[1, 2]")
+    with pytest.raises(ValueError, match=r"runs.json: not a recorded-runs file"):
+        recorded_rates(bad)
+    bad.write_text('{"runs": [{"date": "2026-12-01", "device": "H200"}]}')
+    with pytest.raises(ValueError, match=r"run 0 lacks backend, gbps, overhead_s"):
+        recorded_rates(bad)
+    assert GPU_RUNS.exists()  # shipped with the package, and readable
+    assert set(recorded_rates()["device"]) <= {"cuda"}
+
+
+def test_plot_predicted_cost_bars_dots_and_recorded_labels(tmp_path: Path) -> None:
+    from matplotlib.figure import Figure
+
+    from wcviz._errors import TableError
+    from wcviz.bench import predicted_cost, recorded_rates
+    from wcviz.views import plot_predicted_cost
+
+    cpu = pd.DataFrame({"backend": ["torch", "numba"], "device": ["cpu", "cpu"], "gbps": [0.1, 3.0],
+                        "overhead_s": [1e-3, 1e-4], "rate_source": ["measured here"] * 2})
+    cost = predicted_cost(["sim-tiny", "llama-3-8b"], pd.concat([cpu, recorded_rates(_runs_file(tmp_path))], ignore_index=True))
+    fig = plot_predicted_cost(cost)
+    assert isinstance(fig, Figure)
+    ax = fig.axes[0]
+    assert ax.get_yscale() == "log"
+    labels = ax.get_legend_handles_labels()[1]
+    assert sorted(labels) == ["measured", "numba on cpu", "torch on cpu", "triton on cuda (recorded 2026-12-01 on NVIDIA H200)"]
+    assert len(ax.patches) == 2 * 3  # a bar per model per series
+    dots = [c for c in ax.collections if len(c.get_offsets())]
+    assert sum(len(c.get_offsets()) for c in dots) == 2  # sim-tiny measured with torch and numba; nothing else
+    fig.savefig(tmp_path / "cost.png")
+    with pytest.raises(TableError, match="not a predicted-cost frame: no 'predicted_s'"):
+        plot_predicted_cost(cost.drop(columns="predicted_s"))

@@ -8,10 +8,12 @@ whose weights :func:`wcviz.sim.model.build_state_dict` makes from a seed.
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
 import time
 from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
 
 import pandas as pd
 
@@ -26,6 +28,7 @@ __all__ = [
     "checksum_cost",
     "predicted_cost",
     "predicted_text",
+    "recorded_rates",
     "throughput",
 ]
 
@@ -47,7 +50,13 @@ ZOO: dict[str, ModelConfig] = {
     ),
     "sim-tiny": TINY,  # the simulated cluster's model
 }
-PREDICTED_COLUMNS = ("model", "backend", "device", "params", "nbytes", "predicted_s", "measured_s", "gbps", "overhead_s")
+PREDICTED_COLUMNS = (
+    "model", "backend", "device", "params", "nbytes", "predicted_s", "measured_s", "gbps", "overhead_s", "rate_source",
+)
+RATE_COLUMNS = ("backend", "device", "gbps", "overhead_s", "rate_source")
+MEASURED_HERE = "measured here"
+# Rates measured on lent GPUs, appended by `benchmarks/gpu.py --record` (this machine has none).
+GPU_RUNS = Path(__file__).with_name("gpu_runs.json")
 
 
 def _models(models: Iterable[str] | Mapping[str, ModelConfig] | None) -> dict[str, ModelConfig]:
@@ -158,8 +167,36 @@ def throughput(
         big_s = timed(big)
         gbps = (big_mib << 20) / big_s / 1e9
         per_small = timed(small) / n_small - small_numel * 2 / (gbps * 1e9)
-        rows.append({"backend": backend, "device": "cpu", "gbps": gbps, "overhead_s": max(per_small, 0.0)})
-    return pd.DataFrame(rows).astype({"backend": "string", "device": "string"})
+        rows.append({"backend": backend, "device": "cpu", "gbps": gbps, "overhead_s": max(per_small, 0.0), "rate_source": MEASURED_HERE})
+    return pd.DataFrame(rows, columns=list(RATE_COLUMNS)).astype({"backend": "string", "device": "string", "rate_source": "string"})
+
+
+def recorded_rates(path: str | Path | None = None) -> pd.DataFrame:
+    """GPU rates from recorded device runs (``benchmarks/gpu.py --record``), the latest per device and backend.
+
+    Same columns as :func:`throughput` (:data:`RATE_COLUMNS`); ``device`` is
+    ``cuda`` and ``rate_source`` says when and on which GPU, e.g. ``recorded
+    2026-11-29 on NVIDIA H200``. Empty when no GPU run has been recorded.
+    """
+    path = Path(path) if path is not None else GPU_RUNS
+    try:
+        runs = json.loads(path.read_text())["runs"] if path.exists() else []
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{path}: not a recorded-runs file (expected {{\"runs\": [...]}}): {e}") from None
+    latest: dict[tuple[str, str], dict] = {}
+    for i, r in enumerate(runs):
+        missing = {"date", "device", "backend", "gbps", "overhead_s"} - set(r)
+        if missing:
+            raise ValueError(f"{path}: run {i} lacks {', '.join(sorted(missing))}")
+        latest[(r["device"], r["backend"])] = r
+    rows = [
+        {"backend": r["backend"], "device": "cuda", "gbps": float(r["gbps"]), "overhead_s": float(r["overhead_s"]),
+         "rate_source": f"recorded {r['date']} on {r['device']}"}
+        for r in latest.values()
+    ]
+    return pd.DataFrame(rows, columns=list(RATE_COLUMNS)).astype(
+        {"backend": "string", "device": "string", "gbps": "float64", "overhead_s": "float64", "rate_source": "string"}
+    )
 
 
 def predicted_cost(
@@ -195,31 +232,46 @@ def predicted_cost(
     missing = {"backend", "gbps", "overhead_s"} - set(rates.columns)
     if missing:
         raise ValueError(f"rates lack column(s) {', '.join(sorted(missing))}; pass wcviz.bench.throughput()'s frame")
+    rates = rates.copy()
+    if "device" not in rates:
+        rates["device"] = "cpu"
+    if "rate_source" not in rates:
+        rates["rate_source"] = MEASURED_HERE
+    here = list(dict.fromkeys(rates[rates["device"] == "cpu"]["backend"]))  # only these can be measured here
     rows = []
     for name, cfg in zoo.items():
         shapes = parameter_shapes(cfg)
         width = cfg.dtype.itemsize
         nbytes = sum(math.prod(s) for s in shapes.values()) * width
-        small = nbytes < measure_below_bytes
-        measured = checksum_cost({name: cfg}, list(rates["backend"]), repeat=3) if small else None
+        small = nbytes < measure_below_bytes and bool(here)
+        measured = checksum_cost({name: cfg}, here, repeat=3) if small else None
         for r in rates.itertuples(index=False):
-            m = measured[measured["backend"] == r.backend]["seconds"] if measured is not None else None
+            m = measured[measured["backend"] == r.backend]["seconds"] if measured is not None and r.device == "cpu" else None
             rows.append({
-                "model": name, "backend": r.backend, "device": getattr(r, "device", "cpu"), "params": len(shapes),
+                "model": name, "backend": r.backend, "device": r.device, "params": len(shapes),
                 "nbytes": nbytes, "predicted_s": nbytes / (r.gbps * 1e9) + len(shapes) * r.overhead_s,
                 "measured_s": float(m.iloc[0]) if m is not None and len(m) else float("nan"),
-                "gbps": r.gbps, "overhead_s": r.overhead_s,
+                "gbps": r.gbps, "overhead_s": r.overhead_s, "rate_source": r.rate_source,
             })
-    return pd.DataFrame(rows, columns=list(PREDICTED_COLUMNS)).astype({"model": "string", "backend": "string", "device": "string"})
+    return pd.DataFrame(rows, columns=list(PREDICTED_COLUMNS)).astype(
+        {"model": "string", "backend": "string", "device": "string", "rate_source": "string"}
+    )
 
 
 def predicted_text(cost: pd.DataFrame) -> str:
-    """The prediction as a terminal table: one line per (model, backend), predictions marked as such."""
-    lines = [f"{'model':<14} {'backend':<7} {'tensors':>7} {'GB':>8} {'predicted s':>12} {'measured s':>11}"]
+    """The prediction as a terminal table: one line per (model, backend, device), predictions marked as such."""
+    lines = [f"{'model':<14} {'backend':<7} {'device':<6} {'tensors':>7} {'GB':>8} {'predicted s':>12} {'measured s':>11}"]
     for r in cost.itertuples(index=False):
         measured = "-" if math.isnan(r.measured_s) else _secs(r.measured_s)
-        lines.append(f"{r.model:<14} {r.backend:<7} {r.params:>7} {r.nbytes / 1e9:>8.2f} {_secs(r.predicted_s):>12} {measured:>11}")
-    lines.append("predicted = bytes / measured GB/s + tensors x measured per-tensor cost (this machine, CPU)")
+        lines.append(
+            f"{r.model:<14} {r.backend:<7} {r.device:<6} {r.params:>7} {r.nbytes / 1e9:>8.2f} {_secs(r.predicted_s):>12} {measured:>11}"
+        )
+    lines.append("predicted = bytes / measured GB/s + tensors x measured per-tensor cost; measured = a whole-model digest here")
+    sources = cost.drop_duplicates(["backend", "device"])
+    for r in sources.itertuples(index=False):
+        lines.append(f"  {r.backend} on {r.device}: {r.gbps:.2f} GB/s, {r.overhead_s * 1e3:.3f} ms per tensor, {r.rate_source}")
+    if not (cost["device"] != "cpu").any():
+        lines.append("  GPU: not measured on a GPU yet (no recorded device run; benchmarks/gpu.py --record adds one)")
     return "\n".join(lines)
 
 

@@ -71,6 +71,7 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--backends", nargs="+", default=["torch", "numba"], choices=BACKENDS, help="digest backends (default torch numba)")
     b.add_argument("--big-mib", type=int, default=64, help="size of the large tensor the rate is measured on (default 64)")
     b.add_argument("--out", metavar="FILE", help="also write the frame (.csv/.parquet/.json)")
+    b.add_argument("--plot", metavar="PNG", help="also draw the cost plot (predicted bars, measured dots) here")
 
     m = sub.add_parser("demo", help="run the simulated-cluster demo (what `make demo` runs)", add_help=False)
     m.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the demo (see wcviz demo --help)")
@@ -202,15 +203,25 @@ def _endstate(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from wcviz.bench import predicted_cost, predicted_text, throughput
+    import pandas as pd
+
+    from wcviz.bench import predicted_cost, predicted_text, recorded_rates, throughput
 
     rates = throughput(args.backends, big_mib=args.big_mib)
     for r in rates.itertuples(index=False):
         print(f"measured: {r.backend} {r.gbps:.2f} GB/s on {args.big_mib} MiB of bf16, {r.overhead_s * 1e3:.3f} ms per extra tensor")
-    cost = predicted_cost(args.models, rates)
+    gpu = recorded_rates()
+    for r in gpu.itertuples(index=False):
+        print(f"{r.rate_source}: {r.backend} {r.gbps:.2f} GB/s, {r.overhead_s * 1e3:.3f} ms per extra tensor")
+    cost = predicted_cost(args.models, pd.concat([rates, gpu], ignore_index=True) if len(gpu) else rates)
     print(predicted_text(cost))
     if args.out:
         _write_verdicts(cost, args.out)
+    if args.plot:
+        from wcviz.views import plot_predicted_cost
+
+        plot_predicted_cost(cost).savefig(args.plot, dpi=110)
+        print(f"wrote the cost plot to {args.plot}", file=sys.stderr)
     return 0
 
 

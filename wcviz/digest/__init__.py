@@ -2,8 +2,9 @@
 
 "nemo-rl-v3" is bit-compatible with NeMo-RL's refit verification (see
 ``shared/digest-algorithm.md``); "sha256" hashes the same metadata and bytes
-with SHA-256 on the host. Backends: ``torch`` (the reference, any device) and
-``numba`` (the fast CPU path); ``auto`` picks the fastest that runs there.
+with SHA-256 on the host. Backends: ``torch`` (the reference, any device),
+``numba`` (the fast CPU path) and ``triton`` (CUDA, a whole batch in three
+launches); ``auto`` picks the fastest that runs there.
 """
 
 from __future__ import annotations

@@ -35,7 +35,11 @@ log = logging.getLogger("wcviz.digest")
 
 DEFAULT_ALGO = _spec.ALGO
 ALGORITHMS = (_spec.ALGO, "sha256")
-BACKENDS = ("auto", "torch", "numba")
+BACKENDS = ("auto", "torch", "numba", "triton")
+
+# Host tensors up to this many bytes are digested together, one kernel call for
+# all of them (threads across tensors); larger ones get the kernel to themselves.
+SMALL_BYTES = 1 << 20
 
 NamedTensors = Union[Mapping[str, "torch.Tensor"], Iterable[tuple[str, "torch.Tensor"]]]
 
@@ -67,31 +71,54 @@ def _check_algo(algo: str) -> str:
     return algo
 
 
-_numba_ok: bool | None = None
+_available: dict[str, bool] = {}
 
 
-def _numba_available() -> bool:
-    global _numba_ok
-    if _numba_ok is None:
+def _importable(backend: str) -> bool:
+    """Whether ``backend``'s module imports here (cached; a failure is logged once)."""
+    if backend not in _available:
         try:
-            from wcviz.digest import _numba  # noqa: F401
+            if backend == "numba":
+                from wcviz.digest import _numba  # noqa: F401
+            else:
+                from wcviz.digest import _triton  # noqa: F401
         except ImportError as e:  # the torch reference still works, only slower
-            log.warning("numba is unavailable (%s); digesting on the CPU with the torch backend", e)
-            _numba_ok = False
+            log.warning("%s is unavailable (%s); digesting with the torch backend instead", backend, e)
+            _available[backend] = False
         else:
-            _numba_ok = True
-    return _numba_ok
+            _available[backend] = True
+    return _available[backend]
+
+
+def _triton_runs_on(device_type: str) -> bool:
+    """Triton kernels run on CUDA, and on the CPU only in its interpreter (``TRITON_INTERPRET=1``)."""
+    import os
+
+    return device_type == "cuda" or (device_type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))
 
 
 def resolve_backend(backend: str, device_type: str, name: str | None = None) -> str:
-    """The backend that will digest a tensor on ``device_type`` when ``backend`` is asked for."""
+    """The backend that will digest a tensor on ``device_type`` when ``backend`` is asked for.
+
+    ``auto`` is numba on the CPU, Triton on CUDA, and the torch reference
+    wherever those are not installed or do not run.
+    """
     if backend not in BACKENDS:
         raise ValueError(f"unknown digest backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    what = f"tensor {name!r}" if name else "the tensor"
     if backend == "auto":
-        return "numba" if device_type == "cpu" and _numba_available() else "torch"
+        if device_type == "cpu":
+            return "numba" if _importable("numba") else "torch"
+        return "triton" if device_type == "cuda" and _importable("triton") else "torch"
     if backend == "numba" and device_type != "cpu":
-        what = f"tensor {name!r}" if name else "the tensor"
         raise DigestError(f"backend 'numba' runs on the CPU, but {what} is on {device_type}")
+    if backend == "triton":
+        if not _triton_runs_on(device_type):
+            raise DigestError(
+                f"backend 'triton' runs on CUDA (or on the CPU under TRITON_INTERPRET=1), but {what} is on {device_type}"
+            )
+        if not _importable("triton"):
+            raise DigestError(f"backend 'triton' was asked for {what}, but triton is not installed (pip install triton)")
     return backend
 
 
@@ -116,9 +143,38 @@ def _words(lanes: torch.Tensor, seed: tuple[int, int], backend: str) -> torch.Te
 
         d1, d2 = _numba.lanes_digest(lanes.numpy().view("uint64"), seed)
         return torch.tensor([_spec.to_i64(d1), _spec.to_i64(d2)], dtype=torch.int64)
+    if backend == "triton":
+        from wcviz.digest import _triton
+
+        return _triton.lanes_digest(lanes, seed)
     from wcviz.digest import _torch
 
     return _torch.lanes_digest(lanes, seed)
+
+
+def _words_many(tensors: Sequence[tuple[str, torch.Tensor]], backend: str) -> torch.Tensor:
+    """Digest words, ``(n, 2)`` ``int64``, of tensors on one device, in one batched call.
+
+    ``triton``: three launches for all of them, on their device, no host sync.
+    ``numba``: their lanes are packed into one host array and digested with one
+    kernel call, threads spread across the tensors.
+    """
+    import numpy as np
+    import torch
+
+    lanes = [_lanes.lanes_of(_lanes.logical_bytes(t, name)) for name, t in tensors]
+    seeds = [_spec.seeds(*_lanes.meta_of(t)) for _, t in tensors]
+    if backend == "triton":
+        from wcviz.digest import _triton
+
+        return _triton.lanes_digest_many(lanes, seeds)
+    from wcviz.digest import _numba
+
+    counts = np.array([x.numel() for x in lanes], dtype=np.int64)
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+    packed = np.concatenate([x.numpy().view(np.uint64) for x in lanes]) if lanes else np.empty(0, np.uint64)
+    words = _numba.lanes_digest_many(packed, starts, counts, np.array(seeds, dtype=np.uint64).reshape(-1, 2))
+    return torch.from_numpy(words.view(np.int64))
 
 
 def tensor_digest(t: torch.Tensor, *, backend: str = "auto", name: str | None = None) -> torch.Tensor:
@@ -169,10 +225,10 @@ def digest_timed(
 ) -> dict[str, tuple[Digest, float]]:
     """Like :func:`digest_many`, with the seconds each digest cost.
 
-    Host-side backends (numba, sha256) are timed tensor by tensor. The torch
-    backend queues every tensor of a device and syncs once at the end, since
-    timing one tensor would need a sync per tensor; the device's total is
-    shared out in proportion to bytes.
+    Tensors digested on their own (sha256, numba on a large tensor) are timed
+    one by one. Batched work (Triton and the torch reference per device, numba
+    on small host tensors) is timed as a whole, until its one sync, and that
+    total is shared out in proportion to bytes.
     """
     from tqdm.auto import tqdm
 
@@ -185,24 +241,36 @@ def digest_timed(
     out: dict[str, tuple[Digest, float]] = {}
     queued: dict[Any, list[tuple[str, torch.Tensor, int]]] = {}
     started: dict[Any, float] = {}
+    batches: dict[tuple[str, Any], list[tuple[str, torch.Tensor]]] = {}
     for name, t in tqdm(items, desc="digest", unit="tensor", disable=not progress if progress is not None else None):
-        if chosen[name] == "torch":
+        how = chosen[name]
+        if how == "triton" or (how == "numba" and t.numel() * t.element_size() <= SMALL_BYTES):
+            batches.setdefault((how, t.device), []).append((name, t))
+        elif how == "torch":
             started.setdefault(t.device, time.perf_counter())
             words = tensor_digest(t, backend="torch", name=name)
             queued.setdefault(t.device, []).append((name, words, t.numel() * t.element_size()))
-            continue
+        else:
+            t0 = time.perf_counter()
+            d = _sha256_of(t, name) if algo == "sha256" else _hex_words(tensor_digest(t, backend=how, name=name).tolist())
+            out[name] = (d, time.perf_counter() - t0)
+    for (how, _), group in batches.items():
         t0 = time.perf_counter()
-        d = _sha256_of(t, name) if algo == "sha256" else _hex_words(tensor_digest(t, backend=chosen[name], name=name).tolist())
-        out[name] = (d, time.perf_counter() - t0)
+        host = _to_host(_words_many(group, how))  # the one sync for this batch
+        _share(out, [(name, pair, t.numel() * t.element_size()) for (name, t), pair in zip(group, host)], time.perf_counter() - t0)
     for device, rows in queued.items():
         import torch
 
         host = _to_host(torch.stack([w for _, w, _ in rows]))  # the one sync for this device
-        total = time.perf_counter() - started[device]
-        nbytes = sum(b for _, _, b in rows) or 1
-        for (name, _, b), pair in zip(rows, host):
-            out[name] = (_hex_words(pair), total * b / nbytes)
+        _share(out, [(name, pair, b) for (name, _, b), pair in zip(rows, host)], time.perf_counter() - started[device])
     return {name: out[name] for name, _ in items}
+
+
+def _share(out: dict[str, tuple[Digest, float]], rows: list[tuple[str, list[int], int]], total: float) -> None:
+    """Record batched digests, giving each a share of the batch's seconds by its bytes."""
+    nbytes = sum(b for _, _, b in rows) or 1
+    for name, pair, b in rows:
+        out[name] = (_hex_words(pair), total * b / nbytes)
 
 
 def _to_host(words: torch.Tensor) -> list[list[int]]:

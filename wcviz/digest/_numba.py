@@ -1,36 +1,63 @@
-"""The fast CPU backend: a numba kernel, bit-identical to the torch reference.
+"""The fast CPU backend: numba kernels, bit-identical to the torch reference.
 
-Each chunk's tree is a perfect binary tree, so it is folded in blocks of
-``BLOCK`` lanes that stay in L1, and the block roots are folded after. Blocks
-of every chunk are independent, so they are spread over all cores; only the
-chain across chunks is sequential, and it costs one mix per chunk.
+Layout of the work. A chunk's tree is a perfect binary tree, so it can be cut
+into subtrees ("blocks") whose roots are folded afterwards. Blocks are folded
+``GROUP`` at a time, *vertically*: element ``k`` of every vector belongs to
+block ``k``, so a tree level is plain element-wise arithmetic between two
+vectors, with no shuffling inside a level. The only transpose is at the load
+(``_simd.load_cols``: ``GROUP`` rows of 4 lanes become 4 tree positions).
+Both channels ride in the same vector (``[channel 1 x GROUP, channel 2 x
+GROUP]``: only the tweaks and the multiplier differ, as per-element constants),
+so one ``_step`` folds 2 levels for 2 channels x 8 blocks on ``Vec(64)``
+values: 16 AVX2 registers of independent work that hide each multiply's
+latency. ``_simd`` also supplies the cheaper 64-bit multiply.
 
-Speed comes from the inner loop (``_level4``): it folds two tree levels per
-step, both channels and all four leaves in lockstep, into separate output
-arrays, so that LLVM vectorises it with AVX2 and every multiply has other
-independent work beside it. After any change there, check that the vector
-loop is still emitted (``vpmuludq`` on ``ymm`` registers in
-``_level4.inspect_asm()``, with an empty numba cache).
+- A chunk of width ``w >= 32`` lanes is cut into ``GROUP`` blocks of
+  ``min(BLOCK, w / GROUP)`` lanes each group; groups wholly past the data are
+  all-zero subtrees (a known root), a group straddling the end is copied into a
+  zero-padded buffer. The block roots (at most ``CHUNK / BLOCK`` per chunk) are
+  folded with scalar code, as is a chunk narrower than 32 lanes.
+- ``lanes_digest`` spreads the groups of all chunks of one tensor over the
+  threads; only the chain across chunks is sequential (one fold of block roots
+  and a mix per chunk). ``lanes_digest_many`` spreads whole tensors over the
+  threads and digests each one serially with the same code.
+- ``floor_rate`` measures the compute floor the kernel is judged against: one
+  mix per lane of an in-cache array, the same vector arithmetic.
+
+After a change, check that the vector code is still what runs: with an empty
+numba cache, ``_fold_group.inspect_asm(_fold_group.signatures[0])`` should be
+``vpmulld``/``vpmuludq``/``vpsrlq`` on ``ymm`` registers, with no scalar
+``imul`` in the loops. Measured on the 2-core AVX2 EPYC: about 88% of the
+compute bound in cache, 82-86% on 64 MiB from memory (the host is noisy).
 
 All arithmetic is on ``uint64`` with ``uint64`` constants: mixing in a Python
-int would silently promote to float64 under numba.
+int would silently promote to float64 under numba. ``_mix`` works on scalars
+and on ``_simd.Vec`` values alike.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 
 import numba
 import numpy as np
 from numba import njit, prange
 
 from wcviz.digest import _spec
+from wcviz.digest._simd import cat, load, load_cols, splat, split, store
 
-__all__ = ["lanes_digest", "set_threads", "BLOCK"]
+__all__ = ["BLOCK", "GROUP", "floor_rate", "lanes_digest", "lanes_digest_many", "set_threads"]
 
-BLOCK = 4096  # lanes folded at once: 32 KiB of input, 8 KiB of scratch per channel
-_LOG_BLOCK = BLOCK.bit_length() - 1
-_GROUP = 8  # blocks per parallel task, so scratch is allocated once per task
+BLOCK = 1024  # lanes per block (a subtree), the most a group uses: 8 blocks = 64 KiB of input
+GROUP = 8  # blocks folded side by side, one per vector element
+_W = 2 * GROUP  # one tree position for both channels: [channel 1 x GROUP, channel 2 x GROUP]
+_W2, _W4 = 2 * _W, 4 * _W  # (vector widths must be plain constants)
+_SMALL = 4 * GROUP  # chunks narrower than this are folded by scalar code
+_CHUNK = _spec.CHUNK
+_PER_CHUNK = _CHUNK // BLOCK  # blocks in a full chunk
+_GROUPS_PER_CHUNK = _PER_CHUNK // GROUP
+_SERIAL_BELOW = 1 << 15  # lanes: smaller tensors are not worth waking the thread pool
 
 _U = np.uint64
 _S30, _S27, _S31 = _U(30), _U(27), _U(31)
@@ -40,153 +67,240 @@ _RT1, _RT2 = _U(_spec.RT[0]), _U(_spec.RT[1])
 _M1, _M2 = _U(_spec.MUL[0]), _U(_spec.MUL[1])
 _CH = _U(_spec.CHAIN)
 _Z = _U(0)
-_CHUNK = _spec.CHUNK
-_PER_CHUNK = _CHUNK // BLOCK
 
 
-@njit(inline="always", cache=True)
+def _zero_root(k: int, height: int) -> int:
+    """Root of an all-zero perfect tree of ``2**height`` leaves, channel ``k`` (plain Python)."""
+    m = _spec.MASK64
+    r = 0
+    for _ in range(height):
+        r = _spec._mix64((_spec._mix64(r ^ _spec.LT[k]) + _spec._mix64(r ^ _spec.RT[k]) * _spec.MUL[k]) & m)
+    return r
+
+
+_ZB1 = _U(_zero_root(0, BLOCK.bit_length() - 1))  # an all-zero block's roots
+_ZB2 = _U(_zero_root(1, BLOCK.bit_length() - 1))
+
+
+@njit(cache=True)
 def _mix(x):  # type: ignore[no-untyped-def]
     x = (x ^ (x >> _S30)) * _K1
     x = (x ^ (x >> _S27)) * _K2
     return x ^ (x >> _S31)
 
 
-@njit(inline="always", cache=True)
-def _mix4(a, b, c, d):  # type: ignore[no-untyped-def]
-    """``_mix`` of four independent words, step by step.
-
-    A mix is one long chain of dependent shifts, xors and multiplies. Written
-    in lockstep, four chains are in flight at once and each multiply's latency
-    is hidden behind the others' work; LLVM keeps this order, whereas four
-    ``_mix`` calls in a row leave the core waiting (about 25% slower).
-    """
-    a ^= a >> _S30
-    b ^= b >> _S30
-    c ^= c >> _S30
-    d ^= d >> _S30
-    a *= _K1
-    b *= _K1
-    c *= _K1
-    d *= _K1
-    a ^= a >> _S27
-    b ^= b >> _S27
-    c ^= c >> _S27
-    d ^= d >> _S27
-    a *= _K2
-    b *= _K2
-    c *= _K2
-    d *= _K2
-    return a ^ (a >> _S31), b ^ (b >> _S31), c ^ (c >> _S31), d ^ (d >> _S31)
-
-
-@njit(inline="always", cache=True)
+@njit(cache=True)
 def _merge1(a, b):  # type: ignore[no-untyped-def]
     return _mix(_mix(a ^ _LT1) + _mix(b ^ _RT1) * _M1)
 
 
-@njit(inline="always", cache=True)
+@njit(cache=True)
 def _merge2(a, b):  # type: ignore[no-untyped-def]
     return _mix(_mix(a ^ _LT2) + _mix(b ^ _RT2) * _M2)
 
 
-@njit(cache=True)
-def _level4(s1, s2, d1, d2, n):  # type: ignore[no-untyped-def]
-    """Two tree levels at once: ``d_k[i]`` is the root of ``s_k[4i : 4i+4]``, ``i < n``.
-
-    The four leaves and both channels are mixed in lockstep (``_mix4``), and
-    the middle level never leaves registers. The loop has no carried state and
-    the arrays are distinct, so LLVM vectorises it (AVX2: four steps at once).
-    """
-    for i in range(n):
-        j = 4 * i
-        a, b, c, d = _mix4(s1[j] ^ _LT1, s1[j + 1] ^ _RT1, s1[j + 2] ^ _LT1, s1[j + 3] ^ _RT1)
-        e, f, g, h = _mix4(s2[j] ^ _LT2, s2[j + 1] ^ _RT2, s2[j + 2] ^ _LT2, s2[j + 3] ^ _RT2)
-        a, c, e, g = _mix4(a + b * _M1, c + d * _M1, e + f * _M2, g + h * _M2)
-        a, c, e, g = _mix4(a ^ _LT1, c ^ _RT1, e ^ _LT2, g ^ _RT2)
-        d1[i], d2[i], _, _ = _mix4(a + c * _M1, e + g * _M2, _Z, _Z)  # unused half is dropped
+# ---------------------------------------------------------------- vertical fold
 
 
 @njit(cache=True)
-def _fold(src1, src2, a1, a2, b1, b2):  # type: ignore[no-untyped-def]
-    """Fold ``src1`` through channel 1 and ``src2`` through channel 2 to their roots.
+def _tweaks():  # type: ignore[no-untyped-def]
+    """Per-element left tweak, right tweak and multiplier of one tree position (``Vec(_W)``)."""
+    lt = cat(splat(_LT1, GROUP), splat(_LT2, GROUP))
+    rt = cat(splat(_RT1, GROUP), splat(_RT2, GROUP))
+    m = cat(splat(_M1, GROUP), splat(_M2, GROUP))
+    return lt, rt, m
 
-    Both hold the same power-of-two count (>= 2) of words; for data they are the
-    same array. Levels go two at a time, ping-ponging between the scratch
-    ``a*`` (at least a quarter of the count) and ``b*`` (a sixteenth); an odd
-    level out is the root's own merge.
+
+@njit(cache=True)
+def _step(x):  # type: ignore[no-untyped-def]
+    """Two tree levels: 4 positions (``Vec(4 * _W)``, position-major) to their root (``Vec(_W)``)."""
+    lt, rt, m = _tweaks()
+    ltrt = cat(lt, rt)
+    x = _mix(x ^ cat(ltrt, ltrt))  # the leaves' own mixes, all 4 positions at once
+    h01, h23 = split(x)
+    p0, p1 = split(h01)
+    p2, p3 = split(h23)
+    y = _mix(cat(p0, p2) + cat(p1, p3) * cat(m, m))  # level 1: positions (0, 1) and (2, 3)
+    y = _mix(y ^ ltrt)
+    left, right = split(y)
+    return _mix(left + right * m)  # level 2
+
+
+@njit(cache=True)
+def _both_channels(x):  # type: ignore[no-untyped-def]
+    """``[pos][block]`` (``Vec(4 * GROUP)``) to ``[pos][channel][block]`` (``Vec(4 * _W)``)."""
+    h01, h23 = split(x)
+    x0, x1 = split(h01)
+    x2, x3 = split(h23)
+    return cat(cat(cat(x0, x0), cat(x1, x1)), cat(cat(x2, x2), cat(x3, x3)))
+
+
+@njit(cache=True)
+def _fold_group(src, lo, b, s):  # type: ignore[no-untyped-def]
+    """Roots of the ``GROUP`` blocks of ``b`` lanes at ``src[lo:]`` (``b`` a power of two >= 4).
+
+    Leaves ``[roots channel 1 x GROUP, roots channel 2 x GROUP]`` in ``s[:_W]``;
+    ``s`` is scratch of at least ``b // 4 * _W`` words.
     """
-    n = src1.shape[0]
-    while n >= 4:
+    for i in range(b // 4):  # the first two levels, from the input rows
+        store(s, i * _W, _step(_both_channels(load_cols(src, lo, b, 4 * i, GROUP))))
+    n = b // 4
+    while n >= 4:  # two levels at a time, in place: position j is written after 4j..4j+3 are read
+        for j in range(n // 4):
+            store(s, j * _W, _step(load(s, 4 * j * _W, _W4)))
         n //= 4
-        _level4(src1, src2, a1, a2, n)
-        src1, src2, a1, a2, b1, b2 = a1, a2, b1, b2, a1, a2
-    if n == 1:
-        return src1[0], src2[0]
-    return _merge1(src1[0], src1[1]), _merge2(src2[0], src2[1])
+    if n == 2:  # an odd level out
+        lt, rt, m = _tweaks()
+        left, right = split(_mix(load(s, 0, _W2) ^ cat(lt, rt)))
+        store(s, 0, _mix(left + right * m))
+
+
+# ---------------------------------------------------------------- plan and chain
 
 
 @njit(cache=True)
-def _zero_roots(levels):  # type: ignore[no-untyped-def]
-    """Roots of all-zero perfect trees of height 0..levels, per channel."""
-    z = np.zeros((2, levels + 1), dtype=np.uint64)
-    for h in range(levels):
-        z[0, h + 1] = _merge1(z[0, h], z[0, h])
-        z[1, h + 1] = _merge2(z[1, h], z[1, h])
-    return z
+def _width(m):  # type: ignore[no-untyped-def]
+    """Lanes a chunk of ``m`` lanes is zero-padded to: a power of two, at least 2."""
+    w = 2
+    while w < m:
+        w *= 2
+    return w
+
+
+@njit(cache=True)
+def _plan(n):  # type: ignore[no-untyped-def]
+    """(full chunks, lanes in the last chunk, its block size or 0, its groups, all groups)."""
+    nchunks = max(1, (n + _CHUNK - 1) // _CHUNK)
+    full = nchunks - 1
+    last = n - full * _CHUNK  # 0 only for an empty tensor
+    w = _width(last)
+    b = 0 if w < _SMALL else min(BLOCK, w // GROUP)
+    groups = 0 if b == 0 else w // (GROUP * b)
+    return full, last, b, groups, full * _GROUPS_PER_CHUNK + groups
+
+
+@njit(cache=True)
+def _group(lanes, t, full, b_last, s, r1, r2):  # type: ignore[no-untyped-def]
+    """Block roots of group ``t`` (counted over all chunks) into ``r1/r2[t * GROUP :]``."""
+    n = lanes.shape[0]
+    if t < full * _GROUPS_PER_CHUNK:
+        b = BLOCK
+        lo = t * (GROUP * BLOCK)
+    else:
+        b = b_last
+        lo = full * _CHUNK + (t - full * _GROUPS_PER_CHUNK) * (GROUP * b)
+    at = t * GROUP
+    if lo >= n:  # all padding (only when the chunk has several groups, so b == BLOCK)
+        for k in range(GROUP):
+            r1[at + k] = _ZB1
+            r2[at + k] = _ZB2
+        return
+    if lo + GROUP * b <= n:
+        _fold_group(lanes, lo, b, s)
+    else:
+        pad = np.zeros(GROUP * b, dtype=np.uint64)
+        pad[: n - lo] = lanes[lo:n]
+        _fold_group(pad, 0, b, s)
+    for k in range(GROUP):
+        r1[at + k] = s[k]
+        r2[at + k] = s[GROUP + k]
+
+
+@njit(cache=True)
+def _fold_scalar(v1, v2):  # type: ignore[no-untyped-def]
+    """Roots of ``v1`` (channel 1) and ``v2`` (channel 2), power-of-two length >= 1; overwritten."""
+    n = v1.shape[0]
+    while n > 1:
+        n //= 2
+        for i in range(n):
+            v1[i] = _merge1(v1[2 * i], v1[2 * i + 1])
+            v2[i] = _merge2(v2[2 * i], v2[2 * i + 1])
+    return v1[0], v2[0]
+
+
+@njit(cache=True)
+def _chain(lanes, s1, s2, full, last, groups, r1, r2):  # type: ignore[no-untyped-def]
+    """Fold each chunk's block roots, chain the chunk roots, finish: the digest words."""
+    c1 = s1
+    c2 = s2
+    for c in range(full + 1):
+        if c < full:
+            lo = c * _PER_CHUNK
+            x1, x2 = _fold_scalar(r1[lo : lo + _PER_CHUNK], r2[lo : lo + _PER_CHUNK])
+        elif groups > 0:
+            lo = full * _PER_CHUNK
+            x1, x2 = _fold_scalar(r1[lo : lo + groups * GROUP], r2[lo : lo + groups * GROUP])
+        else:  # a narrow last chunk: fold its lanes directly
+            w = _width(last)
+            v1 = np.zeros(w, dtype=np.uint64)
+            v1[:last] = lanes[full * _CHUNK :]
+            v2 = v1.copy()
+            x1, x2 = _fold_scalar(v1, v2)
+        c1 = _mix(c1 * _CH + x1)
+        c2 = _mix(c2 * _CH + x2)
+    return _mix(c1), _mix(c2)
+
+
+@njit(cache=True)
+def _digest_serial(lanes, s1, s2):  # type: ignore[no-untyped-def]
+    """The digest words of one tensor, on the calling thread."""
+    full, last, b_last, groups, total = _plan(lanes.shape[0])
+    r1 = np.empty(total * GROUP, dtype=np.uint64)
+    r2 = np.empty(total * GROUP, dtype=np.uint64)
+    s = np.empty((BLOCK if full else max(b_last, 4)) // 4 * _W, dtype=np.uint64)
+    for t in range(total):
+        _group(lanes, t, full, b_last, s, r1, r2)
+    return _chain(lanes, s1, s2, full, last, groups, r1, r2)
 
 
 @njit(parallel=True, cache=True)
-def _digest(lanes, s1, s2):  # type: ignore[no-untyped-def]
-    n = lanes.shape[0]
-    nchunks = max(1, (n + _CHUNK - 1) // _CHUNK)
-    full = nchunks - 1  # chunks of exactly _CHUNK lanes
-    last = n - full * _CHUNK  # lanes in the last chunk (0 for an empty tensor)
-    w = 2
-    while w < last:
-        w *= 2
-    last_blocks = w // BLOCK if w > BLOCK else 0  # a small last chunk is folded whole
-    nblocks = full * _PER_CHUNK + last_blocks
-    zero = _zero_roots(_LOG_BLOCK)
-    roots1 = np.empty(nblocks, dtype=np.uint64)
-    roots2 = np.empty(nblocks, dtype=np.uint64)
-    ntasks = (nblocks + _GROUP - 1) // _GROUP
-    for t in prange(ntasks):
-        a1 = np.empty(BLOCK // 4, dtype=np.uint64)
-        a2 = np.empty(BLOCK // 4, dtype=np.uint64)
-        b1 = np.empty(BLOCK // 16, dtype=np.uint64)
-        b2 = np.empty(BLOCK // 16, dtype=np.uint64)
-        for j in range(t * _GROUP, min(nblocks, (t + 1) * _GROUP)):
-            start = j * BLOCK
-            if start + BLOCK <= n:
-                src = lanes[start : start + BLOCK]
-                roots1[j], roots2[j] = _fold(src, src, a1, a2, b1, b2)
-            elif start >= n:  # all padding: the root of an all-zero subtree
-                roots1[j] = zero[0, _LOG_BLOCK]
-                roots2[j] = zero[1, _LOG_BLOCK]
-            else:
-                pad = np.zeros(BLOCK, dtype=np.uint64)
-                pad[: n - start] = lanes[start:n]
-                roots1[j], roots2[j] = _fold(pad, pad, a1, a2, b1, b2)
-    quarter = max(_PER_CHUNK, w) // 4
-    a1 = np.empty(quarter, dtype=np.uint64)
-    a2 = np.empty(quarter, dtype=np.uint64)
-    b1 = np.empty(quarter, dtype=np.uint64)
-    b2 = np.empty(quarter, dtype=np.uint64)
-    c1 = s1
-    c2 = s2
-    for c in range(nchunks):
-        if c < full or last_blocks > 0:
-            lo = c * _PER_CHUNK
-            hi = lo + (_PER_CHUNK if c < full else last_blocks)
-            r1, r2 = _fold(roots1[lo:hi], roots2[lo:hi], a1, a2, b1, b2)
-        else:
-            tail = np.zeros(w, dtype=np.uint64)
-            tail[:last] = lanes[full * _CHUNK : n]
-            r1, r2 = _fold(tail, tail, a1, a2, b1, b2)
-        c1 = _mix(c1 * _CH + r1)
-        c2 = _mix(c2 * _CH + r2)
-    return _mix(c1), _mix(c2)
+def _digest_parallel(lanes, s1, s2):  # type: ignore[no-untyped-def]
+    """The digest words of one tensor, its groups spread over the threads."""
+    full, last, b_last, groups, total = _plan(lanes.shape[0])
+    r1 = np.empty(total * GROUP, dtype=np.uint64)
+    r2 = np.empty(total * GROUP, dtype=np.uint64)
+    for t in prange(total):
+        s = np.empty(BLOCK // 4 * _W, dtype=np.uint64)
+        _group(lanes, t, full, b_last, s, r1, r2)
+    return _chain(lanes, s1, s2, full, last, groups, r1, r2)
 
+
+@njit(parallel=True, cache=True)
+def _digest_many(lanes, starts, counts, seeds, out):  # type: ignore[no-untyped-def]
+    for i in prange(starts.shape[0]):
+        a = starts[i]
+        out[i, 0], out[i, 1] = _digest_serial(lanes[a : a + counts[i]], seeds[i, 0], seeds[i, 1])
+
+
+# ---------------------------------------------------------------- compute floor
+
+_FLOOR_WIDTH = 32  # lanes per vector expression: 8 AVX2 registers in flight
+
+
+@njit(cache=True)
+def _floor_pass(a, reps):  # type: ignore[no-untyped-def]
+    """``reps`` times over ``a``: one ``_mix`` per lane, xor-accumulated (no carried multiply)."""
+    acc = splat(_Z, _FLOOR_WIDTH)
+    for _ in range(reps):
+        for i in range(0, a.shape[0], _FLOOR_WIDTH):
+            acc = acc ^ _mix(load(a, i, _FLOOR_WIDTH))
+    out = np.empty(_FLOOR_WIDTH, dtype=np.uint64)
+    store(out, 0, acc)
+    x = _Z
+    for v in out:
+        x ^= v
+    return x
+
+
+@njit(parallel=True, cache=True)
+def _floor(a, reps, tasks):  # type: ignore[no-untyped-def]
+    out = np.empty(tasks, dtype=np.uint64)
+    for t in prange(tasks):
+        out[t] = _floor_pass(a, reps)
+    return out
+
+
+# ---------------------------------------------------------------- Python API
 
 # One kernel at a time per process: numba's fallback "workqueue" threading layer
 # aborts the process when two threads launch parallel kernels at once, and the
@@ -196,9 +310,70 @@ _LOCK = threading.Lock()
 
 def lanes_digest(lanes: np.ndarray, seed: tuple[int, int]) -> tuple[int, int]:
     """The two digest words (unsigned ints) of a ``uint64`` lane array."""
+    lanes = np.ascontiguousarray(lanes, dtype=np.uint64).reshape(-1)
+    kernel = _digest_serial if lanes.shape[0] < _SERIAL_BELOW else _digest_parallel
     with _LOCK:
-        d1, d2 = _digest(lanes, _U(seed[0]), _U(seed[1]))
+        d1, d2 = kernel(lanes, _U(seed[0]), _U(seed[1]))
     return int(d1), int(d2)
+
+
+def lanes_digest_many(lanes: np.ndarray, starts: np.ndarray, counts: np.ndarray, seeds: np.ndarray) -> np.ndarray:
+    """Digest words (``(n, 2)`` ``uint64``) of ``n`` tensors packed in one lane array.
+
+    Tensor ``i`` is ``lanes[starts[i] : starts[i] + counts[i]]`` (a count of 0
+    is an empty tensor), seeded with ``seeds[i]``. Tensors are spread over the
+    threads, one at a time each, so this suits many small tensors; a large one
+    is better served by :func:`lanes_digest`.
+    """
+    lanes = np.ascontiguousarray(lanes, dtype=np.uint64).reshape(-1)
+    starts = np.ascontiguousarray(starts, dtype=np.int64).reshape(-1)
+    counts = np.ascontiguousarray(counts, dtype=np.int64).reshape(-1)
+    seeds = np.ascontiguousarray(seeds, dtype=np.uint64).reshape(-1, 2)
+    n = starts.shape[0]
+    if counts.shape[0] != n or seeds.shape[0] != n:
+        raise ValueError(f"starts, counts and seeds disagree on the tensor count ({n}, {counts.shape[0]}, {seeds.shape[0]})")
+    if n and (starts.min() < 0 or counts.min() < 0 or int((starts + counts).max()) > lanes.shape[0]):
+        raise ValueError("a tensor's lanes fall outside the lane array")
+    out = np.empty((n, 2), dtype=np.uint64)
+    if n:
+        with _LOCK, numba.parallel_chunksize(1):  # tensors of mixed sizes: hand them out one by one
+            _digest_many(lanes, starts, counts, seeds, out)
+    return out
+
+
+def floor_rate(threads: int | None = None, seconds: float = 0.2) -> float:
+    """Lanes per second of the compute floor on ``threads`` threads (default: all).
+
+    The floor is one SplitMix64 mix per 64-bit lane of a 32 KiB array that
+    stays in cache, with the kernels' vector arithmetic, one copy of the work
+    per thread: what the cores can do at best. A digest costs about 6.6 times
+    that per lane (6 mixes and 2 multiplies for its two channels), so
+    ``8 * floor_rate() / 6.6`` bytes/s bounds any kernel built from them.
+    Best of several runs of about ``seconds / 5`` each.
+    """
+    a = np.random.default_rng(0).integers(0, 2**63, 4096, dtype=np.uint64)
+    before = numba.get_num_threads()
+    tasks = before if threads is None else threads
+    with _LOCK:
+        numba.set_num_threads(tasks)
+        try:
+            _floor(a, 1, tasks)  # compile / warm
+            reps = 16
+            while True:
+                t0 = time.perf_counter()
+                _floor(a, reps, tasks)
+                dt = time.perf_counter() - t0
+                if dt >= seconds / 10 or reps >= 1 << 24:
+                    break
+                reps *= 2
+            best = dt
+            for _ in range(5):
+                t0 = time.perf_counter()
+                _floor(a, reps, tasks)
+                best = min(best, time.perf_counter() - t0)
+        finally:
+            numba.set_num_threads(before)
+    return tasks * reps * a.shape[0] / best
 
 
 def set_threads(n: int) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from wcviz.views._grid import NO_RANKS, SEVERITY, layer_rank_counts, layer_rank_grid
 from wcviz.views.accessor import NotAWcvizFrame, WcAccessor
-from wcviz.views.cost import cost_text, plot_cost
+from wcviz.views.cost import cost_text, plot_cost, plot_predicted_cost
 from wcviz.views.drilldown import DRILLDOWN_COLORS, DRILLDOWN_KINDS, drilldown_text, plot_drilldown
 from wcviz.views.plots import COLORS, NOT_HELD_COLOR, plot_layer_rank
 from wcviz.views.styled import style_verdicts
@@ -35,6 +35,7 @@ __all__ = [
     "layer_rank_grid",
     "layer_rank_text",
     "plot_cost",
+    "plot_predicted_cost",
     "plot_drilldown",
     "plot_layer_rank",
     "plot_topology",

@@ -9,6 +9,8 @@
 
 Reads the cost frame's columns ``model``, ``backend``, ``nbytes``, ``seconds``
 (and ``device``, ``params``, ``gbps`` when present); nothing is measured here.
+:func:`plot_predicted_cost` draws :func:`wcviz.bench.predicted_cost`'s frame:
+predicted seconds per model, with the measured ones beside them.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
-__all__ = ["cost_text", "plot_cost"]
+__all__ = ["cost_text", "plot_cost", "plot_predicted_cost"]
 
 _REQUIRED = ("model", "backend", "nbytes", "seconds")
 # Okabe-Ito, in order: one hue per backend (statuses keep their own colours)
@@ -114,4 +116,67 @@ def plot_cost(cost: pd.DataFrame, *, ax: Axes | None = None) -> Figure:
     ax.margins(y=0.15)
     ax.spines[["top", "right"]].set_visible(False)
     ax.legend(title="backend", fontsize=8, title_fontsize=8, frameon=False)
+    return fig
+
+
+def _duration(seconds: float) -> str:
+    """``28.5 min``, ``6.4 s``, ``891 µs``: a bar label that stays short across six decades."""
+    if seconds >= 60:
+        return f"{seconds / 60:.3g} min"
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6)):
+        if seconds >= scale:
+            return f"{seconds / scale:.3g} {unit}"
+    return f"{seconds * 1e9:.3g} ns"
+
+
+_PREDICTED = ("model", "backend", "device", "nbytes", "predicted_s", "measured_s")
+
+
+def plot_predicted_cost(cost: pd.DataFrame, *, ax: Axes | None = None) -> Figure:
+    """Seconds to digest each model, per backend and device: predicted (bars) and measured (dots).
+
+    Bars are predictions from measured rates (``wcviz bench``), on a log scale
+    since models span 0.2 MB to 141 GB; a black dot marks a whole-model digest
+    actually timed. Series from recorded GPU runs carry their date and device
+    in the legend (``rate_source``).
+    """
+    from matplotlib.figure import Figure
+
+    if not isinstance(cost, pd.DataFrame) or any(c not in cost for c in _PREDICTED):
+        missing = [c for c in _PREDICTED if not isinstance(cost, pd.DataFrame) or c not in cost]
+        raise TableError(f"not a predicted-cost frame: no {', '.join(map(repr, missing))} (see wcviz.bench.predicted_cost)")
+    c = cost.reset_index(drop=True).copy()
+    source = c["rate_source"].astype(str) if "rate_source" in c else pd.Series("", index=c.index)
+    c["series"] = c["backend"].astype(str) + " on " + c["device"].astype(str)
+    c.loc[source.str.startswith("recorded"), "series"] += " (" + source + ")"
+    models = list(dict.fromkeys(c["model"].astype(str)))
+    series = list(dict.fromkeys(c["series"]))
+    if ax is None:
+        fig = Figure(figsize=(min(14.0, max(6.0, 1.6 * len(models) + 2)), 4.0), layout="constrained")
+        ax = fig.add_subplot()
+    else:
+        fig = ax.get_figure()  # type: ignore[assignment]
+    ax.set_title("digest time per model: predicted from measured rates (bars), measured (dots)", fontsize=10)
+    if not len(c):
+        ax.text(0.5, 0.5, "no predictions", ha="center", va="center", transform=ax.transAxes)
+        ax.set_axis_off()
+        return fig
+    width = 0.8 / len(series)
+    for k, name in enumerate(series):
+        mine = c[c["series"] == name].drop_duplicates("model", keep="last").set_index("model")
+        xs = [models.index(m) - 0.4 + width * (k + 0.5) for m in mine.index]
+        bars = ax.bar(xs, mine["predicted_s"], width=width * 0.95, label=name, color=_BACKEND_COLORS[k % len(_BACKEND_COLORS)])
+        ax.bar_label(bars, labels=[_duration(s) for s in mine["predicted_s"]], fontsize=7, padding=2)
+        seen = mine["measured_s"].notna()
+        if seen.any():
+            ax.scatter([x for x, ok in zip(xs, seen) if ok], mine["measured_s"][seen], color="black", marker="D", s=18,
+                       edgecolors="white", linewidths=0.8, zorder=3,
+                       label="measured" if "measured" not in ax.get_legend_handles_labels()[1] else None)
+    sizes = c.drop_duplicates("model").set_index("model")["nbytes"]
+    ax.set_xticks(range(len(models)), [f"{m}\n{_size(sizes[m])}" for m in models], fontsize=8)
+    ax.set_yscale("log")
+    ax.set_ylabel("seconds (log)")
+    ax.margins(y=0.2)
+    ax.spines[["top", "right"]].set_visible(False)
+    ax.legend(fontsize=8, frameon=False, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=min(4, len(series) + 1))
     return fig

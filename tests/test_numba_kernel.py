@@ -1,0 +1,220 @@
+"""The numba kernels against the torch reference, at every structural boundary.
+
+Boundaries of the fast path: chunks narrower than ``4 * GROUP`` lanes are
+folded by scalar code; up to ``GROUP * BLOCK`` lanes a chunk is one group of
+``GROUP`` smaller blocks; above that, groups of ``GROUP`` blocks of ``BLOCK``
+lanes, whole groups past the data being all-zero subtrees; and ``CHUNK``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from numba import njit
+
+from wcviz.digest import _numba, _simd, _spec, _torch, digest_hex
+
+B, G, C = _numba.BLOCK, _numba.GROUP, _spec.CHUNK
+SMALL = 4 * G  # narrowest chunk the vector kernel folds
+SIZES = sorted(
+    {0, 1, 2, 3, 4, 5}
+    | {SMALL // 2 + d for d in (-1, 0, 1)}  # scalar / vector switch: widths 16 and 32
+    | {SMALL + d for d in (-1, 0, 1)}
+    | {B + d for d in (-1, 0, 1)}
+    | {G * B + d for d in (-1, 0, 1)}  # one group of full blocks / several groups
+    | {2 * G * B + 3, 5 * G * B - 7}
+    | {C - 1, C, C + 1, 3 * C + 5}
+)
+
+
+def _random_lanes(n: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 2**64 - 1, n, dtype=np.uint64, endpoint=True)
+
+
+def _reference(lanes: np.ndarray, seed: tuple[int, int]) -> tuple[int, int]:
+    words = _torch.lanes_digest(torch.from_numpy(lanes.view(np.int64)), seed).tolist()
+    return words[0] & _spec.MASK64, words[1] & _spec.MASK64
+
+
+def _seed(i: int) -> tuple[int, int]:
+    rng = np.random.default_rng(1000 + i)
+    return int(rng.integers(0, 2**63)) * 2 + 1, int(rng.integers(0, 2**63))
+
+
+@pytest.fixture(scope="module")
+def cases() -> list[tuple[np.ndarray, tuple[int, int], tuple[int, int]]]:
+    out = []
+    for i, n in enumerate(SIZES):
+        lanes, seed = _random_lanes(n, i), _seed(i)
+        out.append((lanes, seed, _reference(lanes, seed)))
+    return out
+
+
+def test_sizes_cover_the_boundaries() -> None:
+    assert 0 in SIZES and C + 1 in SIZES and G * B + 1 in SIZES
+    assert max(SIZES) == 3 * C + 5
+
+
+def test_lanes_digest_matches_reference(cases) -> None:  # type: ignore[no-untyped-def]
+    for lanes, seed, want in cases:
+        assert _numba.lanes_digest(lanes, seed) == want, len(lanes)
+
+
+def test_serial_and_parallel_paths_agree(cases) -> None:  # type: ignore[no-untyped-def]
+    for lanes, seed, want in cases:
+        s = (np.uint64(seed[0]), np.uint64(seed[1]))
+        assert tuple(int(w) for w in _numba._digest_serial(lanes, *s)) == want, len(lanes)
+        assert tuple(int(w) for w in _numba._digest_parallel(lanes, *s)) == want, len(lanes)
+
+
+def test_one_and_two_threads_agree() -> None:
+    lanes, seed = _random_lanes(2 * C + G * B + 9, 77), _seed(77)
+    before = _numba.numba.get_num_threads()
+    try:
+        _numba.set_threads(1)
+        one = _numba.lanes_digest(lanes, seed)
+        many_one = _numba.lanes_digest_many(lanes, np.array([0]), np.array([lanes.size]), np.array([seed], dtype=np.uint64))
+        _numba.set_threads(min(2, _numba.numba.config.NUMBA_NUM_THREADS))
+        two = _numba.lanes_digest(lanes, seed)
+    finally:
+        _numba.set_threads(before)
+    assert one == two == _reference(lanes, seed)
+    assert tuple(int(w) for w in many_one[0]) == one
+
+
+def test_non_contiguous_input_is_read_as_its_copy() -> None:
+    base = _random_lanes(2 * (G * B + 5), 5)
+    view = base[::2]
+    assert _numba.lanes_digest(view, (1, 2)) == _reference(np.ascontiguousarray(view), (1, 2))
+
+
+def test_zero_lanes_past_the_data_are_padding_not_ignored() -> None:
+    # A tensor and the same tensor with its zero padding appended differ only in length.
+    lanes = _random_lanes(G * B + 3, 9)
+    padded = np.concatenate([lanes, np.zeros(2 * G * B - lanes.size, np.uint64)])
+    assert _numba.lanes_digest(lanes, (3, 4)) == _reference(lanes, (3, 4))
+    assert _numba.lanes_digest(padded, (3, 4)) == _reference(padded, (3, 4))
+
+
+def test_many_matches_reference_on_mixed_sizes(cases) -> None:  # type: ignore[no-untyped-def]
+    picked = [c for c in cases if c[0].size <= C + 1] + [cases[0], cases[3]]  # zeros and repeats included
+    picked = picked[::-1] + picked[:2]  # the same tensors twice, in another order
+    packed = np.concatenate([c[0] for c in picked])
+    counts = np.array([c[0].size for c in picked], dtype=np.int64)
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+    seeds = np.array([c[1] for c in picked], dtype=np.uint64)
+    out = _numba.lanes_digest_many(packed, starts, counts, seeds)
+    assert out.shape == (len(picked), 2) and out.dtype == np.uint64
+    for row, (_, _, want) in zip(out, picked):
+        assert (int(row[0]), int(row[1])) == want
+
+
+def test_many_with_overlapping_and_large_tensors() -> None:
+    lanes = _random_lanes(3 * C + 5, 21)
+    starts = np.array([0, 0, 7, 3 * C + 5, C - 1], dtype=np.int64)
+    counts = np.array([3 * C + 5, 1025, 0, 0, C + 2], dtype=np.int64)
+    seeds = np.array([_seed(i) for i in range(5)], dtype=np.uint64)
+    out = _numba.lanes_digest_many(lanes, starts, counts, seeds)
+    for i in range(5):
+        want = _reference(lanes[starts[i] : starts[i] + counts[i]], _seed(i))
+        assert (int(out[i, 0]), int(out[i, 1])) == want
+
+
+def test_many_edge_inputs() -> None:
+    empty = _numba.lanes_digest_many(np.empty(0, np.uint64), np.empty(0, np.int64), np.empty(0, np.int64), np.empty((0, 2), np.uint64))
+    assert empty.shape == (0, 2)
+    with pytest.raises(ValueError, match="outside"):
+        _numba.lanes_digest_many(np.zeros(4, np.uint64), np.array([2]), np.array([3]), np.zeros((1, 2), np.uint64))
+    with pytest.raises(ValueError, match="disagree"):
+        _numba.lanes_digest_many(np.zeros(4, np.uint64), np.array([0, 1]), np.array([1]), np.zeros((2, 2), np.uint64))
+
+
+def test_public_path_small_tensors_match_torch() -> None:
+    for shape, dtype in (((4096,), torch.bfloat16), ((1024,), torch.bfloat16), ((3,), torch.bfloat16), ((0,), torch.float32), ((33, 7), torch.float32)):
+        t = torch.randn(shape).to(dtype)
+        assert digest_hex(t, backend="numba") == digest_hex(t, backend="torch")
+
+
+def test_floor_rate_is_positive_and_finite() -> None:
+    for threads in (1, None):
+        rate = _numba.floor_rate(threads, seconds=0.02)
+        assert math.isfinite(rate) and rate > 0
+
+
+# ------------------------------------------------------------------- _simd
+
+EDGES = [0, 1, 2, 3, 2**32 - 1, 2**32, 2**32 + 1, 2**63, 2**64 - 1, 2**64 - 2, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB]
+
+
+@njit
+def _vec_ops(a, b, out_split, out_plain, out_star, out_misc):  # type: ignore[no-untyped-def]
+    for i in range(0, a.shape[0], 8):
+        x = _simd.load(a, i, 8)
+        y = _simd.load(b, i, 8)
+        _simd.store(out_split, i, _simd.mul_split(x, y))
+        _simd.store(out_plain, i, _simd.mul_plain(x, y))
+        _simd.store(out_star, i, x * y)
+        _simd.store(out_misc, i, ((x ^ y) + (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB))
+
+
+def _pairs() -> tuple[np.ndarray, np.ndarray]:
+    e = np.array(EDGES, dtype=np.uint64)
+    a = np.repeat(e, len(e))
+    b = np.tile(e, len(e))
+    rnd = np.random.default_rng(3).integers(0, 2**64 - 1, (2, 4096), dtype=np.uint64, endpoint=True)
+    a, b = np.concatenate([a, rnd[0]]), np.concatenate([b, rnd[1]])
+    pad = -a.size % 8
+    return np.concatenate([a, np.zeros(pad, np.uint64)]), np.concatenate([b, np.ones(pad, np.uint64)])
+
+
+def test_simd_multiplies_match_uint64_multiplication() -> None:
+    a, b = _pairs()
+    outs = [np.empty_like(a) for _ in range(4)]
+    _vec_ops(a, b, *outs)
+    with np.errstate(over="ignore"):
+        want = a * b
+        misc = ((a ^ b) + (a >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    np.testing.assert_array_equal(outs[0], want)
+    np.testing.assert_array_equal(outs[1], want)
+    np.testing.assert_array_equal(outs[2], want)
+    np.testing.assert_array_equal(outs[3], misc)
+
+
+@njit
+def _shapes(a):  # type: ignore[no-untyped-def]
+    out = np.zeros(64, dtype=np.uint64)
+    lo, hi = _simd.split(_simd.load(a, 0, 8))
+    _simd.store(out, 0, _simd.cat(hi, lo))
+    _simd.store(out, 8, _simd.splat(np.uint64(7), 4))
+    _simd.store(out, 16, _simd.load_cols(a, 1, 8, 2, 4))  # rows at 1, 9, 17, 25; lanes 2..5
+    return out
+
+
+def test_simd_shapes() -> None:
+    a = np.arange(64, dtype=np.uint64)
+    out = _shapes(a)
+    assert out[:8].tolist() == [4, 5, 6, 7, 0, 1, 2, 3]
+    assert out[8:12].tolist() == [7] * 4
+    want = [1 + 8 * k + 2 + p for p in range(4) for k in range(4)]
+    assert out[16:32].tolist() == want
+
+
+def test_mix_on_vectors_matches_scalar() -> None:
+    @njit
+    def both(a):  # type: ignore[no-untyped-def]
+        out = np.empty_like(a)
+        for i in range(0, a.shape[0], 16):
+            _simd.store(out, i, _numba._mix(_simd.load(a, i, 16)))
+        ref = np.empty_like(a)
+        for i in range(a.shape[0]):
+            ref[i] = _numba._mix(a[i])
+        return out, ref
+
+    a, _ = _pairs()
+    a = a[: a.size // 16 * 16]
+    vec, scalar = both(a)
+    np.testing.assert_array_equal(vec, scalar)
+    assert [int(v) for v in scalar[:4]] == [_spec._mix64(int(x)) for x in a[:4]]
