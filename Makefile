@@ -43,10 +43,13 @@ browser:
 	  echo "installed $$($(CHROMIUM) --version)"; rm -f $(BROWSER_LOG); \
 	else echo "could not install chromium (see $(BROWSER_LOG)); tests/test_browser.py will skip"; fi
 
+# The CPU benchmarks; on a machine with a CUDA GPU, also `$(BIN)/python benchmarks/gpu.py` (BENCHMARKS.md).
 bench: $(STAMP)
 	$(BIN)/python benchmarks/cpu_digest.py --repeat 5
 	$(BIN)/python benchmarks/refit.py --repeat 3
 	$(BIN)/python benchmarks/fanout.py --repeat 3
+	@if $(BIN)/python -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then \
+	  $(BIN)/python benchmarks/gpu.py --gib 1; else echo "no CUDA GPU here: benchmarks/gpu.py not run"; fi
 
 clean:
 	rm -rf $(VENV) .pytest_cache .benchmarks build *.egg-info

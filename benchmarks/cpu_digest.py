@@ -15,9 +15,11 @@ multiplies, both channels), so ``bound = floor GB/s / 6.6``; the fast path is
 reported as a percentage of it. Floor and fast path are timed in alternation
 (best of each over several rounds), as the machine's speed drifts.
 
-Then many small tensors (Llama-like norms and biases): one call per tensor
-(the public ``digest_hex``, and the bare kernel ``lanes_digest``) against one
-``lanes_digest_many`` call for all of them (packing included).
+Then many small tensors (Llama-like norms and biases): before batching, one
+call per tensor (the public ``digest_hex``, and the bare kernel
+``lanes_digest``); after, ``digest_many`` (the public path, which now batches
+host tensors up to 1 MiB) and one bare ``lanes_digest_many`` call (packing
+included).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from wcviz.digest import _numba, _spec, digest_hex
+from wcviz.digest import _numba, _simd, _spec, digest_hex, digest_many
 
 WORK_PER_LANE = 6.6  # floor mixes per digested lane (see the docstring)
 
@@ -114,6 +116,11 @@ def small_tensors(args: argparse.Namespace, cores: int) -> None:
     def public() -> list[str]:
         return [digest_hex(t, backend="numba") for t in tensors]
 
+    named = {f"t{i}": t for i, t in enumerate(tensors)}
+
+    def public_batched() -> list[str]:
+        return list(digest_many(named, backend="numba").values())
+
     def one_call_each() -> list[tuple[int, int]]:
         return [_numba.lanes_digest(x, s) for x, s in zip(lanes, seeds)]
 
@@ -125,11 +132,12 @@ def small_tensors(args: argparse.Namespace, cores: int) -> None:
         return _numba.lanes_digest_many(packed, starts, counts, np.array(seeds, dtype=np.uint64))
 
     want = [_spec.hex_of(*w) for w in one_call_each()]
-    assert public() == want, "public path disagrees"
+    assert public() == want and public_batched() == want, "public path disagrees"
     assert [_spec.hex_of(int(a), int(b)) for a, b in batched()] == want, "batch kernel disagrees"
     methods = {
-        "`digest_hex` per tensor (public path)": public,
-        "`lanes_digest` per tensor (kernel call)": one_call_each,
+        "before: `digest_hex` per tensor (public path, one kernel call each)": public,
+        "after: `digest_many` (public path, batched)": public_batched,
+        "`lanes_digest` per tensor (bare kernel call)": one_call_each,
         "one `lanes_digest_many` call (pack + kernel)": batched,
     }
     times = {label: best_seconds(fn, max(3, args.repeat)) for label, fn in methods.items()}
@@ -156,7 +164,7 @@ def main() -> None:
 
     cores = numba.config.NUMBA_NUM_THREADS
     print(f"Machine: {platform.machine()}, {cores} cores, torch {torch.__version__}, numba {numba.__version__}, "
-          f"torch threads {torch.get_num_threads()}, split 64-bit multiply: {_numba._simd.SPLIT_MUL}")
+          f"torch threads {torch.get_num_threads()}, split 64-bit multiply: {_simd.SPLIT_MUL}")
     print()
     digest_hex(torch.zeros(4096), backend="numba")  # compile / load the kernel cache
     fast = throughput(args, cores)

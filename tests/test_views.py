@@ -382,7 +382,7 @@ def test_public_names() -> None:
         "COLORS", "MARKS", "NOT_HELD", "NOT_HELD_COLOR", "NO_RANKS", "SEVERITY",
         "layer_rank_counts", "layer_rank_grid", "layer_rank_text", "plot_layer_rank", "status_counts_text",
         "DRILLDOWN_COLORS", "DRILLDOWN_KINDS", "NotAWcvizFrame", "WcAccessor", "cost_text", "drilldown_text",
-        "plot_cost", "plot_drilldown", "plot_topology", "style_verdicts", "topology_text",
+        "plot_cost", "plot_predicted_cost", "plot_drilldown", "plot_topology", "style_verdicts", "topology_text",
     }
 
 

@@ -162,18 +162,22 @@ def _words_many(tensors: Sequence[tuple[str, torch.Tensor]], backend: str) -> to
     import numpy as np
     import torch
 
-    lanes = [_lanes.lanes_of(_lanes.logical_bytes(t, name)) for name, t in tensors]
     seeds = [_spec.seeds(*_lanes.meta_of(t)) for _, t in tensors]
     if backend == "triton":
         from wcviz.digest import _triton
 
+        lanes = [_lanes.lanes_of(_lanes.logical_bytes(t, name)) for name, t in tensors]
         return _triton.lanes_digest_many(lanes, seeds)
     from wcviz.digest import _numba
 
-    counts = np.array([x.numel() for x in lanes], dtype=np.int64)
-    starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
-    packed = np.concatenate([x.numpy().view(np.uint64) for x in lanes]) if lanes else np.empty(0, np.uint64)
-    words = _numba.lanes_digest_many(packed, starts, counts, np.array(seeds, dtype=np.uint64).reshape(-1, 2))
+    raws = [_lanes.logical_bytes(t, name).numpy() for name, t in tensors]
+    counts = np.array([(r.shape[0] + 7) // 8 for r in raws], dtype=np.int64)  # lanes, the last one zero-padded
+    starts = np.zeros_like(counts)
+    np.cumsum(counts[:-1], out=starts[1:])
+    packed = np.zeros(int(counts.sum()) * 8, dtype=np.uint8)
+    for raw, at in zip(raws, starts.tolist()):
+        packed[at * 8 : at * 8 + raw.shape[0]] = raw
+    words = _numba.lanes_digest_many(packed.view(np.uint64), starts, counts, np.array(seeds, dtype=np.uint64).reshape(-1, 2))
     return torch.from_numpy(words.view(np.int64))
 
 

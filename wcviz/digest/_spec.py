@@ -8,6 +8,7 @@ against on small inputs, and nothing in the product calls it on real weights.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import struct
 from collections.abc import Sequence
@@ -64,6 +65,11 @@ def metadata_bytes(dtype_name: str, shape: Sequence[int], nbytes: int) -> bytes:
 
 def seeds(dtype_name: str, shape: Sequence[int], nbytes: int) -> tuple[int, int]:
     """(seed1, seed2) as unsigned 64-bit ints."""
+    return _seeds(dtype_name, tuple(int(d) for d in shape), int(nbytes))
+
+
+@functools.lru_cache(maxsize=4096)  # a model repeats a few shapes many times (norms, per-layer weights)
+def _seeds(dtype_name: str, shape: tuple[int, ...], nbytes: int) -> tuple[int, int]:
     h = hashlib.blake2b(metadata_bytes(dtype_name, shape, nbytes), digest_size=16, person=PERSON)
     raw = h.digest()
     return int.from_bytes(raw[:8], "little"), int.from_bytes(raw[8:], "little")

@@ -35,6 +35,9 @@ import triton.language as tl
 
 from wcviz.digest import _spec
 
+if not hasattr(tl, "split"):  # the tree levels need tl.split (Triton 3.0); ``auto`` falls back to torch
+    raise ImportError(f"triton {triton.__version__} is too old for wcviz's kernels (needs triton >= 3.0)")
+
 if TYPE_CHECKING:
     import torch
 
