@@ -436,3 +436,28 @@ def test_accumulator_collects_on_device_and_syncs_once(monkeypatch: pytest.Monke
     sha = DigestAccumulator(algo="sha256")
     sha.add("w", torch.ones(2))
     assert sha.hex() == {"w": digest_hex(torch.ones(2), algo="sha256")}
+
+
+def test_digest_many_batches_small_host_tensors_in_one_kernel_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tensors up to SMALL_BYTES share one numba call; larger ones get their own; all match the reference."""
+    from wcviz.digest import _numba
+
+    g = torch.Generator().manual_seed(11)
+    small = _api.SMALL_BYTES
+    named = {
+        "at_limit": torch.randint(-128, 127, (small,), dtype=torch.int8, generator=g),
+        "above_limit": torch.randint(-128, 127, (small + 2,), dtype=torch.int8, generator=g),
+        "norm": torch.randn(4096, generator=g).to(torch.bfloat16),
+        "odd": torch.arange(7, dtype=torch.int8),
+        "empty": torch.empty(0),
+        "strided": torch.randn(40, 30, generator=g).t(),
+    }
+    batches: list[int] = []
+    singles: list[int] = []
+    many, one = _numba.lanes_digest_many, _numba.lanes_digest
+    monkeypatch.setattr(_numba, "lanes_digest_many", lambda lanes, s, c, seeds: batches.append(len(s)) or many(lanes, s, c, seeds))
+    monkeypatch.setattr(_numba, "lanes_digest", lambda lanes, seed: singles.append(lanes.shape[0]) or one(lanes, seed))
+    got = _api.digest_timed(named, backend="numba")
+    assert batches == [5] and singles == [(small + 2 + 7) // 8]
+    assert {n: d for n, (d, _) in got.items()} == digest_many(named, backend="torch")
+    assert all(s >= 0 for _, s in got.values()) and list(got) == list(named)

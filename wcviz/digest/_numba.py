@@ -27,8 +27,8 @@ latency. ``_simd`` also supplies the cheaper 64-bit multiply.
 After a change, check that the vector code is still what runs: with an empty
 numba cache, ``_fold_group.inspect_asm(_fold_group.signatures[0])`` should be
 ``vpmulld``/``vpmuludq``/``vpsrlq`` on ``ymm`` registers, with no scalar
-``imul`` in the loops. Measured on the 2-core AVX2 EPYC: about 88% of the
-compute bound in cache, 82-86% on 64 MiB from memory (the host is noisy).
+``imul`` in the loops. Measured on the 2-core AVX2 EPYC: 72-88% of the
+compute bound, depending on the (noisy) host's load; see BENCHMARKS.md.
 
 All arithmetic is on ``uint64`` with ``uint64`` constants: mixing in a Python
 int would silently promote to float64 under numba. ``_mix`` works on scalars
