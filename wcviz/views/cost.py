@@ -22,6 +22,8 @@ import pandas as pd
 from wcviz._errors import TableError
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
@@ -82,6 +84,47 @@ def cost_text(cost: pd.DataFrame) -> str:
     return "\n".join(out)
 
 
+def _figure(ax: Axes | None, size: tuple[float, float], title: str) -> tuple[Figure, Axes]:
+    """``ax``'s figure, or a new :class:`~matplotlib.figure.Figure` (not registered with pyplot), titled."""
+    from matplotlib.figure import Figure
+
+    if ax is None:
+        fig = Figure(figsize=size, layout="constrained")
+        ax = fig.add_subplot()
+    else:
+        fig = ax.get_figure()  # type: ignore[assignment]  # a SubFigure draws and saves alike
+    ax.set_title(title, fontsize=10)
+    return fig, ax
+
+
+def _grouped_bars(
+    ax: Axes, c: pd.DataFrame, group: str, value: str, labels: Callable[[pd.DataFrame], list[str]]
+) -> list[tuple[list[float], pd.DataFrame]]:
+    """A group of bars per ``group`` value (frame order), a bar per ``series``, labelled by ``labels(rows)``.
+
+    Returns each series' bar positions and rows, for marks drawn on top.
+    """
+    drawn = []
+    groups = list(dict.fromkeys(c[group].astype(str)))
+    series = list(dict.fromkeys(c["series"]))
+    width = 0.8 / len(series)
+    for k, name in enumerate(series):
+        mine = c[c["series"] == name].drop_duplicates(group, keep="last").set_index(group)
+        xs = [groups.index(m) - 0.4 + width * (k + 0.5) for m in mine.index]
+        bars = ax.bar(xs, mine[value], width=width * 0.95, label=name, color=_BACKEND_COLORS[k % len(_BACKEND_COLORS)])
+        ax.bar_label(bars, labels=labels(mine), fontsize=7, padding=2)
+        drawn.append((xs, mine))
+    sizes = c.drop_duplicates(group).set_index(group)["nbytes"]
+    ax.set_xticks(range(len(groups)), [f"{m}\n{_size(sizes[m])}" for m in groups], fontsize=8)
+    ax.spines[["top", "right"]].set_visible(False)
+    return drawn
+
+
+def _empty(ax: Axes, text: str) -> None:
+    ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes)
+    ax.set_axis_off()
+
+
 def plot_cost(cost: pd.DataFrame, *, ax: Axes | None = None) -> Figure:
     """Grouped bars of checksum throughput (GB/s): a group per model, a bar per backend, seconds on each bar.
 
@@ -89,32 +132,15 @@ def plot_cost(cost: pd.DataFrame, *, ax: Axes | None = None) -> Figure:
     bar per device. Draws on ``ax`` when given, else on a new
     :class:`~matplotlib.figure.Figure` (not registered with pyplot).
     """
-    from matplotlib.figure import Figure
-
     c = _checked(cost)
-    models = list(dict.fromkeys(c["label"]))
-    series = list(dict.fromkeys(c["series"]))
-    if ax is None:
-        fig = Figure(figsize=(min(14.0, max(5.0, 2.5 + 1.1 * len(models) * max(1, len(series)) * 0.6)), 3.6), layout="constrained")
-        ax = fig.add_subplot()
-    else:
-        fig = ax.get_figure()  # type: ignore[assignment]  # a SubFigure draws and saves alike
-    ax.set_title("checksum cost per model and backend", fontsize=10)
+    n_bars = c["label"].nunique() * max(1, c["series"].nunique())
+    fig, ax = _figure(ax, (min(14.0, max(5.0, 2.5 + 0.66 * n_bars)), 3.6), "checksum cost per model and backend")
     if not len(c):
-        ax.text(0.5, 0.5, "no measurements", ha="center", va="center", transform=ax.transAxes)
-        ax.set_axis_off()
+        _empty(ax, "no measurements")
         return fig
-    width = 0.8 / len(series)
-    for k, name in enumerate(series):
-        mine = c[c["series"] == name].drop_duplicates("label", keep="last").set_index("label")
-        xs = [models.index(m) - 0.4 + width * (k + 0.5) for m in mine.index]
-        bars = ax.bar(xs, mine["gbps"], width=width * 0.95, label=name, color=_BACKEND_COLORS[k % len(_BACKEND_COLORS)])
-        ax.bar_label(bars, labels=[f"{s:.3g} s" for s in mine["seconds"]], fontsize=7, padding=2)
-    sizes = c.drop_duplicates("label").set_index("label")["nbytes"]
-    ax.set_xticks(range(len(models)), [f"{m}\n{_size(sizes[m])}" for m in models], fontsize=8)
+    _grouped_bars(ax, c, "label", "gbps", lambda rows: [f"{s:.3g} s" for s in rows["seconds"]])
     ax.set_ylabel("GB/s")
     ax.margins(y=0.15)
-    ax.spines[["top", "right"]].set_visible(False)
     ax.legend(title="backend", fontsize=8, title_fontsize=8, frameon=False)
     return fig
 
@@ -140,8 +166,6 @@ def plot_predicted_cost(cost: pd.DataFrame, *, ax: Axes | None = None) -> Figure
     actually timed. Series from recorded GPU runs carry their date and device
     in the legend (``rate_source``).
     """
-    from matplotlib.figure import Figure
-
     if not isinstance(cost, pd.DataFrame) or any(c not in cost for c in _PREDICTED):
         missing = [c for c in _PREDICTED if not isinstance(cost, pd.DataFrame) or c not in cost]
         raise TableError(f"not a predicted-cost frame: no {', '.join(map(repr, missing))} (see wcviz.bench.predicted_cost)")
@@ -149,34 +173,20 @@ def plot_predicted_cost(cost: pd.DataFrame, *, ax: Axes | None = None) -> Figure
     source = c["rate_source"].astype(str) if "rate_source" in c else pd.Series("", index=c.index)
     c["series"] = c["backend"].astype(str) + " on " + c["device"].astype(str)
     c.loc[source.str.startswith("recorded"), "series"] += " (" + source + ")"
-    models = list(dict.fromkeys(c["model"].astype(str)))
-    series = list(dict.fromkeys(c["series"]))
-    if ax is None:
-        fig = Figure(figsize=(min(14.0, max(6.0, 1.6 * len(models) + 2)), 4.0), layout="constrained")
-        ax = fig.add_subplot()
-    else:
-        fig = ax.get_figure()  # type: ignore[assignment]
-    ax.set_title("digest time per model: predicted from measured rates (bars), measured (dots)", fontsize=10)
+    fig, ax = _figure(ax, (min(14.0, max(6.0, 1.6 * c["model"].nunique() + 2)), 4.0),
+                      "digest time per model: predicted from measured rates (bars), measured (dots)")
     if not len(c):
-        ax.text(0.5, 0.5, "no predictions", ha="center", va="center", transform=ax.transAxes)
-        ax.set_axis_off()
+        _empty(ax, "no predictions")
         return fig
-    width = 0.8 / len(series)
-    for k, name in enumerate(series):
-        mine = c[c["series"] == name].drop_duplicates("model", keep="last").set_index("model")
-        xs = [models.index(m) - 0.4 + width * (k + 0.5) for m in mine.index]
-        bars = ax.bar(xs, mine["predicted_s"], width=width * 0.95, label=name, color=_BACKEND_COLORS[k % len(_BACKEND_COLORS)])
-        ax.bar_label(bars, labels=[_duration(s) for s in mine["predicted_s"]], fontsize=7, padding=2)
+    for xs, mine in _grouped_bars(ax, c, "model", "predicted_s", lambda rows: [_duration(s) for s in rows["predicted_s"]]):
         seen = mine["measured_s"].notna()
         if seen.any():
             ax.scatter([x for x, ok in zip(xs, seen) if ok], mine["measured_s"][seen], color="black", marker="D", s=18,
                        edgecolors="white", linewidths=0.8, zorder=3,
                        label="measured" if "measured" not in ax.get_legend_handles_labels()[1] else None)
-    sizes = c.drop_duplicates("model").set_index("model")["nbytes"]
-    ax.set_xticks(range(len(models)), [f"{m}\n{_size(sizes[m])}" for m in models], fontsize=8)
     ax.set_yscale("log")
     ax.set_ylabel("seconds (log)")
     ax.margins(y=0.2)
     ax.spines[["top", "right"]].set_visible(False)
-    ax.legend(fontsize=8, frameon=False, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=min(4, len(series) + 1))
+    ax.legend(fontsize=8, frameon=False, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=min(4, c["series"].nunique() + 1))
     return fig
