@@ -173,7 +173,7 @@ def plot_predicted_cost(cost: pd.DataFrame, *, ax: Axes | None = None) -> Figure
     source = c["rate_source"].astype(str) if "rate_source" in c else pd.Series("", index=c.index)
     c["series"] = c["backend"].astype(str) + " on " + c["device"].astype(str)
     c.loc[source.str.startswith("recorded"), "series"] += " (" + source + ")"
-    fig, ax = _figure(ax, (min(14.0, max(6.0, 1.6 * c["model"].nunique() + 2)), 4.0),
+    fig, ax = _figure(ax, (min(14.0, max(7.0, 1.6 * c["model"].nunique() + 2)), 4.0),
                       "digest time per model: predicted from measured rates (bars), measured (dots)")
     if not len(c):
         _empty(ax, "no predictions")
@@ -188,5 +188,5 @@ def plot_predicted_cost(cost: pd.DataFrame, *, ax: Axes | None = None) -> Figure
     ax.set_ylabel("seconds (log)")
     ax.margins(y=0.2)
     ax.spines[["top", "right"]].set_visible(False)
-    ax.legend(fontsize=8, frameon=False, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=min(4, c["series"].nunique() + 1))
+    ax.legend(fontsize=8, frameon=False, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2 if c["model"].nunique() < 4 else 4)
     return fig
