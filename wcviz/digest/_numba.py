@@ -8,15 +8,17 @@ vectors, with no shuffling inside a level. The only transpose is at the load
 (``_simd.load_cols``: ``GROUP`` rows of 4 lanes become 4 tree positions).
 Both channels ride in the same vector (``[channel 1 x GROUP, channel 2 x
 GROUP]``: only the tweaks and the multiplier differ, as per-element constants),
-so one ``_step`` folds 2 levels for 2 channels x 8 blocks on ``Vec(64)``
-values: 16 AVX2 registers of independent work that hide each multiply's
-latency. ``_simd`` also supplies the cheaper 64-bit multiply.
+so one ``_step`` folds 2 levels for 2 channels x 4 blocks on ``Vec(32)``
+values: 8 AVX2 registers of independent work that hide each multiply's
+latency while leaving registers for the multiply's temporaries (8 blocks,
+16 registers, spilled to the stack and measured ~10% slower on two threads).
+``_simd`` also supplies the cheaper 64-bit multiply.
 
-- A chunk of width ``w >= 32`` lanes is cut into ``GROUP`` blocks of
+- A chunk of width ``w >= 4 * GROUP`` lanes is cut into ``GROUP`` blocks of
   ``min(BLOCK, w / GROUP)`` lanes each group; groups wholly past the data are
   all-zero subtrees (a known root), a group straddling the end is copied into a
   zero-padded buffer. The block roots (at most ``CHUNK / BLOCK`` per chunk) are
-  folded with scalar code, as is a chunk narrower than 32 lanes.
+  folded with scalar code, as is a chunk narrower than ``4 * GROUP`` lanes.
 - ``lanes_digest`` spreads the groups of all chunks of one tensor over the
   threads; only the chain across chunks is sequential (one fold of block roots
   and a mix per chunk). ``lanes_digest_many`` spreads whole tensors over the
@@ -49,8 +51,8 @@ from wcviz.digest._simd import cat, load, load_cols, splat, split, store
 
 __all__ = ["BLOCK", "GROUP", "floor_rate", "lanes_digest", "lanes_digest_many", "set_threads"]
 
-BLOCK = 1024  # lanes per block (a subtree), the most a group uses: 8 blocks = 64 KiB of input
-GROUP = 8  # blocks folded side by side, one per vector element
+BLOCK = 4096  # lanes per block (a subtree), the most a group uses: 4 blocks = 128 KiB of input
+GROUP = 4  # blocks folded side by side, one per vector element
 _W = 2 * GROUP  # one tree position for both channels: [channel 1 x GROUP, channel 2 x GROUP]
 _W2, _W4 = 2 * _W, 4 * _W  # (vector widths must be plain constants)
 _SMALL = 4 * GROUP  # chunks narrower than this are folded by scalar code
