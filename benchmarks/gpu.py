@@ -107,6 +107,8 @@ def identity(device: torch.device, smoke: bool) -> list[tuple[str, str, bool]]:
     for case, x in (("transposed view", base.t()), ("slice at odd byte offset", odd)):
         rows.append((case, str(x.dtype), digest_hex(x, backend="triton") == digest_hex(x.cpu(), backend="numba")))
         batch[case] = x
+    ok = _triton.self_check(device, block=1 << 18 if smoke else _triton.BLOCK)
+    rows.append(("self-check (what backend 'auto' runs first)", "int64 lanes", ok))
     got = digest_many(batch, backend="triton")
     want = digest_many({k: v.cpu() for k, v in batch.items()}, backend="numba")
     rows.append((f"batch of {len(batch)} tensors", "mixed", got == want))

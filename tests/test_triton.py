@@ -144,3 +144,27 @@ def test_gpu_benchmark_script_runs_in_the_interpreter(tmp_path) -> None:  # type
     assert {"eager torch reference, same device", "device-to-device copy (bytes read)", "one mix per lane (compute floor)"} <= set(result["speed_gbps"])
     assert [b["case"] for b in result["batching"]] == ["sim-tiny (bf16)", "small tensors (4096 bf16 each)"]
     assert "## Identity with the CPU (numba)" in proc.stdout and "## Whole-model batching" in proc.stdout
+
+
+def test_self_check_passes_in_the_interpreter() -> None:
+    assert _triton.self_check(torch.device("cpu"), block=1 << 18)
+
+
+def test_auto_falls_back_to_torch_when_the_kernels_fail_their_self_check(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A miscompiled or crashing kernel on a real GPU must not be what ``auto`` digests with."""
+    from wcviz.digest import _api
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for failure in (lambda device: False, lambda device: 1 / 0):
+        monkeypatch.setattr(_api, "_trusted", {})
+        monkeypatch.setattr(_triton, "self_check", failure)
+        with caplog.at_level("ERROR", logger="wcviz.digest"):
+            assert resolve_backend("auto", "cuda") == "torch"
+        assert "failed their self-check on CUDA" in caplog.text
+        caplog.clear()
+    monkeypatch.setattr(_api, "_trusted", {})
+    monkeypatch.setattr(_triton, "self_check", lambda device: True)
+    assert resolve_backend("auto", "cuda") == "triton"
+    assert resolve_backend("triton", "cuda") == "triton"  # asked for by name: no self-check in the way

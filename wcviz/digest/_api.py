@@ -90,6 +90,35 @@ def _importable(backend: str) -> bool:
     return _available[backend]
 
 
+_trusted: dict[str, bool] = {}
+
+
+def _triton_trusted() -> bool:
+    """Whether ``auto`` may use the Triton kernels on CUDA: they passed :func:`_triton.self_check` there.
+
+    Checked once per process, on the current CUDA device (one sync). If the
+    kernels fail to compile or disagree with the reference, that is logged as
+    an error naming the cause and ``auto`` uses the torch reference instead:
+    slower, never wrong. Without CUDA there is nothing to check.
+    """
+    import torch
+
+    if not torch.cuda.is_available():
+        return True
+    if "cuda" not in _trusted:
+        from wcviz.digest import _triton
+
+        try:
+            ok = _triton.self_check(torch.device("cuda"))
+            why = "its digests differ from the torch reference's"
+        except Exception as e:  # noqa: BLE001 - any compile or launch failure means: do not use it
+            ok, why = False, f"{type(e).__name__}: {e}"
+        if not ok:
+            log.error("the Triton digest kernels failed their self-check on CUDA (%s); backend 'auto' uses the torch reference there", why)
+        _trusted["cuda"] = ok
+    return _trusted["cuda"]
+
+
 def _triton_runs_on(device_type: str) -> bool:
     """Triton kernels run on CUDA, and on the CPU only in its interpreter (``TRITON_INTERPRET=1``)."""
     import os
@@ -109,7 +138,7 @@ def resolve_backend(backend: str, device_type: str, name: str | None = None) -> 
     if backend == "auto":
         if device_type == "cpu":
             return "numba" if _importable("numba") else "torch"
-        return "triton" if device_type == "cuda" and _importable("triton") else "torch"
+        return "triton" if device_type == "cuda" and _importable("triton") and _triton_trusted() else "torch"
     if backend == "numba" and device_type != "cpu":
         raise DigestError(f"backend 'numba' runs on the CPU, but {what} is on {device_type}")
     if backend == "triton":

@@ -18,6 +18,9 @@ A chunk shorter than a block (a small tensor, or a short last chunk) has a
 smaller tree: its root is the first value at its own height, taken on the way
 up. That path is only compiled in, never taken, for full blocks.
 
+:func:`self_check` compares the kernels with the torch reference on inputs
+that take every path; ``auto`` runs it once per process before using them.
+
 Under ``TRITON_INTERPRET=1`` the same kernels run on CPU tensors (Triton's
 interpreter): that is how the tests check them against the reference on a
 machine without a GPU. The variable must be set before this module is imported.
@@ -41,7 +44,7 @@ if not hasattr(tl, "split"):  # the tree levels need tl.split (Triton 3.0); ``au
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["BLOCK", "NUM_WARPS", "interpreting", "lanes_digest", "lanes_digest_many"]
+__all__ = ["BLOCK", "NUM_WARPS", "interpreting", "lanes_digest", "lanes_digest_many", "self_check"]
 
 BLOCK = 1024  # lanes one program folds: 8 KiB of input
 NUM_WARPS = 4
@@ -242,3 +245,25 @@ def lanes_digest_many(
 def lanes_digest(lanes: torch.Tensor, seed: tuple[int, int]) -> torch.Tensor:
     """The two digest words (``int64``, on ``lanes.device``) of one lane tensor."""
     return lanes_digest_many([lanes], [seed])[0]
+
+
+def self_check(device: torch.device | str, *, block: int = BLOCK) -> bool:
+    """Whether the kernels give the torch reference's words on ``device``, on inputs that take every path.
+
+    Empty, one lane, a chunk narrower than a block, several blocks with a
+    padded tail, and two chunks (the chain) in one batch. ``auto`` runs this
+    once per process before trusting the kernels with a device's digests: a
+    kernel miscompiled by some Triton/driver combination must not report
+    mismatches (or worse, matches) that are not there.
+    """
+    import torch
+
+    from wcviz.digest import _torch
+
+    g = torch.Generator().manual_seed(20261129)
+    sizes = [0, 1, 5, 3 * block + 7, _spec.CHUNK + 1]
+    xs = [torch.randint(-(2**63), 2**63 - 1, (n,), dtype=torch.int64, generator=g).to(device) for n in sizes]
+    seeds = [((0x9E3779B97F4A7C15 * (i + 1)) & _spec.MASK64, (1 << 63) + i) for i in range(len(xs))]
+    got = lanes_digest_many(xs, seeds, block=block)
+    want = torch.stack([_torch.lanes_digest(x, s) for x, s in zip(xs, seeds)])
+    return bool(torch.equal(got, want))
