@@ -113,8 +113,9 @@ def _worker(index: int, ranks: Sequence[int], params: int, elements: int, report
         return
     report.put((index, [(a.rank, a.url) for a in agents], None))
     try:
+        # A parent killed outright (SIGKILL) cannot set stop: we notice that we were reparented.
         while not stop.wait(1.0) and os.getppid() == parent:
-            pass  # a parent killed outright (SIGKILL) cannot set stop: we notice we were reparented
+            continue
     finally:
         from concurrent.futures import ThreadPoolExecutor
 

@@ -29,8 +29,8 @@ raise: a mutation that failed must stop the caller (the end-state check then rel
 
 A framework that already sets its own extension (NeMo-RL does) combines both::
 
-    class MyExtension(NemoRLExtension, WcvizWorkerExtension):  # NemoRLExtension: the
-        pass                                                  # class your framework passes
+    class MyExtension(NemoRLExtension, WcvizWorkerExtension):
+        'NemoRLExtension: the class your framework already passes.'
 
 and passes ``worker_extension_cls="my_module.MyExtension"``. Every name here starts with
 ``wcviz_`` or ``_wcviz_`` and the class has no ``__init__``, so it clashes with neither
