@@ -461,3 +461,24 @@ def test_digest_many_batches_small_host_tensors_in_one_kernel_call(monkeypatch: 
     assert batches == [5] and singles == [(small + 2 + 7) // 8]
     assert {n: d for n, (d, _) in got.items()} == digest_many(named, backend="torch")
     assert all(s >= 0 for _, s in got.values()) and list(got) == list(named)
+
+
+# --------------------------------------------------------------------------- one-element strided views
+
+
+def _one_element_views() -> list[torch.Tensor]:
+    w = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    return [w[::2][:1, :1], w.t()[:1, :1], w.reshape(-1)[::3][2:3], w.t()[1:2, 2:3], w[::2][:1][0, :1],
+            torch.arange(10, dtype=torch.float64)[::5][1:], w.to(torch.bfloat16).t()[:1, :1], w.t()[3, 2]]  # fmt: skip
+
+
+@pytest.mark.parametrize("i", range(8))
+@pytest.mark.parametrize("algo", ["nemo-rl-v3", "sha256"])
+def test_a_one_element_strided_view_digests_like_its_copy(i: int, algo: str) -> None:
+    view = _one_element_views()[i]
+    copy = view.clone(memory_format=torch.contiguous_format)
+    want = digest_hex(copy, algo=algo)
+    assert digest_hex(view, algo=algo) == want
+    if algo == "nemo-rl-v3":
+        assert digest_hex(view, backend="torch") == want
+        assert digest_many({"v": view, "c": copy})["v"] == want

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Union
@@ -18,6 +19,7 @@ if TYPE_CHECKING:
 __all__ = [
     "ALGORITHMS",
     "BACKENDS",
+    "DIGEST_FORMATS",
     "DEFAULT_ALGO",
     "Digest",
     "DigestAccumulator",
@@ -29,6 +31,7 @@ __all__ = [
     "compare_digests",
     "resolve_backend",
     "parse_dtype",
+    "digest_format_error",
 ]
 
 log = logging.getLogger("wcviz.digest")
@@ -36,6 +39,15 @@ log = logging.getLogger("wcviz.digest")
 DEFAULT_ALGO = _spec.ALGO
 ALGORITHMS = (_spec.ALGO, "sha256")
 BACKENDS = ("auto", "torch", "numba", "triton")
+
+# What a digest of each algorithm a table may hold looks like (lowercase hex): wcviz's own
+# algorithms, and the engines' checksums that sources read ("sglang": SGLang's weight
+# checker, an integer of up to 64 bits written as hex). Anything else in a table is an error.
+DIGEST_FORMATS: dict[str, tuple[str, re.Pattern[str]]] = {
+    _spec.ALGO: ("32 hex characters", re.compile(r"[0-9a-f]{32}")),
+    "sha256": ("64 hex characters", re.compile(r"[0-9a-f]{64}")),
+    "sglang": ("1 to 16 hex characters", re.compile(r"[0-9a-f]{1,16}")),
+}
 
 # Host tensors up to this many bytes are digested together, one kernel call for
 # all of them (threads across tensors); larger ones get the kernel to themselves.
@@ -63,6 +75,17 @@ class Digest(str):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (Digest, (str(self), self.algo))
+
+
+def digest_format_error(algo: object, digest: object) -> str | None:
+    """Why ``digest`` cannot be a digest of ``algo`` (unknown algorithm, wrong length or characters), or None."""
+    if not isinstance(algo, str) or algo not in DIGEST_FORMATS:
+        return f"unknown digest algorithm {algo!r}; tables hold {', '.join(DIGEST_FORMATS)}"
+    what, pattern = DIGEST_FORMATS[algo]
+    if not isinstance(digest, str) or not pattern.fullmatch(digest.lower()):
+        shown = digest if not isinstance(digest, str) or len(digest) <= 80 else digest[:77] + "..."
+        return f"digest {shown!r} is not a {algo} digest ({what})"
+    return None
 
 
 def _check_algo(algo: str) -> str:

@@ -62,7 +62,10 @@ def logical_bytes(t: torch.Tensor, name: str | None = None) -> torch.Tensor:
         t = t.view(width)
     if t.numel() == 0:  # an empty view may carry stride 0, which view(uint8) rejects
         return torch.empty(0, dtype=torch.uint8, device=t.device)
-    return t.contiguous().reshape(-1).view(torch.uint8)
+    flat = t.contiguous().reshape(-1)
+    if flat.stride(0) != 1:  # one element: "contiguous" whatever its stride, so nothing above copied it
+        flat = flat.as_strided((1,), (1,))
+    return flat.view(torch.uint8)
 
 
 def lanes_of(raw: torch.Tensor) -> torch.Tensor:
