@@ -61,7 +61,7 @@ def _tricky_frame():
         # a digest made only of digits, with leading zeros: must stay a string
         _full_row(name="lm_head.weight", digest="00123456789012345678901234567890", rank=0, nbytes=2**40 + 1),
         # strings that CSV readers like to turn into NA
-        _full_row(name="NA", digest="0000", host="nan", role="null", phase="None", seconds=0.0),
+        _full_row(name="NA", digest="0000" * 8, host="nan", role="null", phase="None", seconds=0.0),
     ]
     return make_frame(rows)
 
@@ -85,7 +85,7 @@ def test_empty_frame_has_the_schema():
 
 
 def test_missing_columns_become_na_not_empty_strings():
-    df = make_frame([{"name": "w", "digest": "00", "algo": "sha256"}])
+    df = make_frame([{"name": "w", "digest": "00" * 32, "algo": "sha256"}])
     for col in ("dtype", "shape", "role", "host", "device", "phase"):
         assert df[col].isna().all(), col
     for col in ("rank", "dp", "pp", "tp", "ep", "step", "nbytes"):
@@ -94,13 +94,13 @@ def test_missing_columns_become_na_not_empty_strings():
 
 
 def test_empty_strings_are_stored_as_na():
-    df = make_frame([{"name": "w", "digest": "00", "algo": "sha256", "host": ""}])
+    df = make_frame([{"name": "w", "digest": "00" * 32, "algo": "sha256", "host": ""}])
     assert df["host"].isna().all()
 
 
 def test_make_frame_rejects_unknown_columns_naming_them():
     with pytest.raises(TableError, match="colour"):
-        make_frame([{"name": "w", "digest": "00", "algo": "sha256", "colour": "red"}])
+        make_frame([{"name": "w", "digest": "00" * 32, "algo": "sha256", "colour": "red"}])
 
 
 def test_shape_str_is_a_json_list():
@@ -133,7 +133,7 @@ LAYERS = [
 @pytest.mark.parametrize(("name", "layer"), LAYERS)
 def test_parse_layer(name, layer):
     assert parse_layer(name) == layer
-    got = make_frame([{"name": name, "digest": "00", "algo": "sha256"}])["layer"].iloc[0]
+    got = make_frame([{"name": name, "digest": "00" * 32, "algo": "sha256"}])["layer"].iloc[0]
     assert (pd.isna(got) and layer is None) or got == layer
 
 
@@ -185,13 +185,13 @@ BLOCKS = [
 def test_parse_block_and_expert(name, block, expert):
     assert parse_block(name) == block
     assert parse_expert(name) == expert
-    row = make_frame([{"name": name, "digest": "00", "algo": "sha256"}]).iloc[0]
+    row = make_frame([{"name": name, "digest": "00" * 32, "algo": "sha256"}]).iloc[0]
     assert row["block"] == block
     assert (pd.isna(row["expert"]) and expert is None) or row["expert"] == expert
 
 
 def test_given_layer_block_expert_are_not_overwritten():
-    row = make_frame([{"name": "lm_head.weight", "digest": "00", "algo": "sha256", "layer": 9, "block": "mlp", "expert": 2}]).iloc[0]
+    row = make_frame([{"name": "lm_head.weight", "digest": "00" * 32, "algo": "sha256", "layer": 9, "block": "mlp", "expert": 2}]).iloc[0]
     assert (row["layer"], row["block"], row["expert"]) == (9, "mlp", 2)
 
 
@@ -234,11 +234,11 @@ def test_suffix_is_case_insensitive(tmp_path):
 
 def test_read_table_accepts_a_minimal_hand_written_csv(tmp_path):
     p = tmp_path / "min.csv"
-    p.write_text("name,digest,algo,rank\nmodel.layers.1.mlp.up_proj.weight,0099,sha256,3\n")
+    p.write_text("name,digest,algo,rank\nmodel.layers.1.mlp.up_proj.weight," + "0099" * 16 + ",sha256,3\n")
     df = read_table(p)
     assert list(df.columns) == list(COLUMNS)
     row = df.iloc[0]
-    assert (row["digest"], row["rank"], row["layer"], row["block"]) == ("0099", 3, 1, "mlp")
+    assert (row["digest"], row["rank"], row["layer"], row["block"]) == ("0099" * 16, 3, 1, "mlp")
     assert pd.isna(row["tp"]) and pd.isna(row["host"])
 
 
@@ -247,7 +247,7 @@ def test_read_table_accepts_a_minimal_hand_written_csv(tmp_path):
 
 @pytest.mark.parametrize("col", ["name", "digest", "algo"])
 def test_missing_required_column_names_it(tmp_path, col):
-    df = pd.DataFrame({"name": ["w"], "digest": ["00"], "algo": ["sha256"]}).drop(columns=col)
+    df = pd.DataFrame({"name": ["w"], "digest": ["00" * 32], "algo": ["sha256"]}).drop(columns=col)
     with pytest.raises(TableError, match=col):
         validate(df)
     p = tmp_path / "t.csv"
@@ -259,7 +259,7 @@ def test_missing_required_column_names_it(tmp_path, col):
 
 @pytest.mark.parametrize("col", ["name", "digest", "algo"])
 def test_empty_required_value_names_the_column(col):
-    df = pd.DataFrame({"name": ["w", "v"], "digest": ["00", "01"], "algo": ["sha256", "sha256"]})
+    df = pd.DataFrame({"name": ["w", "v"], "digest": ["00" * 32, "01" * 32], "algo": ["sha256", "sha256"]})
     df.loc[1, col] = None
     with pytest.raises(TableError, match=rf"'{col}'.*row 1"):
         validate(df)
@@ -267,13 +267,13 @@ def test_empty_required_value_names_the_column(col):
 
 @pytest.mark.parametrize("col", ["rank", "tp", "step", "nbytes"])
 def test_non_numeric_integer_column_names_it(col):
-    df = pd.DataFrame({"name": ["w"], "digest": ["00"], "algo": ["sha256"], col: ["three"]})
+    df = pd.DataFrame({"name": ["w"], "digest": ["00" * 32], "algo": ["sha256"], col: ["three"]})
     with pytest.raises(TableError, match=f"'{col}'"):
         validate(df)
 
 
 def test_fractional_rank_is_rejected_naming_it():
-    df = pd.DataFrame({"name": ["w"], "digest": ["00"], "algo": ["sha256"], "rank": [1.5]})
+    df = pd.DataFrame({"name": ["w"], "digest": ["00" * 32], "algo": ["sha256"], "rank": [1.5]})
     with pytest.raises(TableError, match="'rank'"):
         validate(df)
 
@@ -281,7 +281,7 @@ def test_fractional_rank_is_rejected_naming_it():
 @pytest.mark.parametrize("suffix", [".csv", ".json"])
 def test_non_numeric_rank_in_a_file_names_the_column_and_file(tmp_path, suffix):
     p = tmp_path / f"bad{suffix}"
-    rows = [{"name": "w", "digest": "00", "algo": "sha256", "rank": "0"}, {"name": "v", "digest": "01", "algo": "sha256", "rank": "zero"}]
+    rows = [{"name": "w", "digest": "00" * 32, "algo": "sha256", "rank": "0"}, {"name": "v", "digest": "01" * 32, "algo": "sha256", "rank": "zero"}]
     if suffix == ".csv":
         pd.DataFrame(rows).to_csv(p, index=False)
     else:
@@ -299,7 +299,7 @@ def test_non_numeric_seconds_names_the_column(tmp_path):
 
 
 def test_unknown_block_names_the_column_and_value(tmp_path):
-    df = pd.DataFrame({"name": ["w"], "digest": ["00"], "algo": ["sha256"], "block": ["encoder"]})
+    df = pd.DataFrame({"name": ["w"], "digest": ["00" * 32], "algo": ["sha256"], "block": ["encoder"]})
     with pytest.raises(TableError, match="'block'.*encoder"):
         validate(df)
     p = tmp_path / "b.csv"

@@ -167,14 +167,14 @@ def test_rank_missing_entirely_is_missing_on_that_rank_only():
 
 
 def test_tables_without_dtype_and_shape_compare_by_digest():
-    e = make_frame([{"name": n, "digest": d, "algo": "sha256"} for n, d in [("a", "00"), ("b", "11")]])
-    a = make_frame([{"name": n, "digest": d, "algo": "sha256"} for n, d in [("a", "00"), ("b", "12")]])
+    e = make_frame([{"name": n, "digest": d, "algo": "sha256"} for n, d in [("a", "00" * 32), ("b", "11" * 32)]])
+    a = make_frame([{"name": n, "digest": d, "algo": "sha256"} for n, d in [("a", "00" * 32), ("b", "12" * 32)]])
     assert _status(compare(e, a)) == {"a": "match", "b": "mismatch"}
 
 
 def test_digest_case_does_not_matter():
-    e = make_frame([{"name": "a", "digest": "abcdef", "algo": "sha256"}])
-    a = make_frame([{"name": "a", "digest": "ABCDEF", "algo": "sha256"}])
+    e = make_frame([{"name": "a", "digest": "abcdef" * 10 + "abcd", "algo": "sha256"}])
+    a = make_frame([{"name": "a", "digest": "ABCDEF" * 10 + "ABCD", "algo": "sha256"}])
     assert _status(compare(e, a)) == {"a": "match"}
 
 
@@ -203,11 +203,11 @@ def test_duplicate_rank_name_rows_raise(side):
 
 
 def test_inputs_are_validated():
-    good = make_frame([{"name": "a", "digest": "00", "algo": "sha256"}])
+    good = make_frame([{"name": "a", "digest": "00" * 32, "algo": "sha256"}])
     with pytest.raises(TableError, match="digest"):
         compare(good, pd.DataFrame({"name": ["a"], "algo": ["sha256"]}))
     with pytest.raises(TableError, match="block"):
-        compare(pd.DataFrame({"name": ["a"], "digest": ["00"], "algo": ["sha256"], "block": ["bogus"]}), good)
+        compare(pd.DataFrame({"name": ["a"], "digest": ["00" * 32], "algo": ["sha256"], "block": ["bogus"]}), good)
 
 
 def test_verdict_columns():
@@ -224,3 +224,57 @@ def test_tables_with_different_rank_coordinates_are_refused():
         compare(by_tp, by_rank_tp)
     with pytest.raises(TableError, match=r"by \(rank, tp\) but actual by \(nothing\)"):
         compare(by_rank_tp, from_state_dict(sd))
+
+
+# --------------------------------------------------------------------------- digests are validated, never matched blindly
+
+
+@pytest.mark.parametrize(
+    ("digest", "algo", "why"),
+    [
+        ("error", "nemo-rl-v3", "is not a nemo-rl-v3 digest"),
+        ("", "nemo-rl-v3", "is empty"),
+        ("ab" * 32, "nemo-rl-v3", "is not a nemo-rl-v3 digest \\(32 hex characters\\)"),
+        ("zz" * 16, "nemo-rl-v3", "is not a nemo-rl-v3 digest"),
+        ("ab" * 16, "sha256", "is not a sha256 digest \\(64 hex characters\\)"),
+        ("ab" * 16, "md5", "unknown digest algorithm 'md5'"),
+        ("00" * 9, "sglang", "is not a sglang digest"),
+    ],
+)
+def test_a_digest_not_in_its_algorithms_format_is_a_table_error_naming_the_row(digest: str, algo: str, why: str) -> None:
+    good = make_frame([{"name": "a", "digest": "0" * 32, "algo": "nemo-rl-v3"}])
+    bad = pd.DataFrame({"name": ["a", "b"], "digest": ["0" * 32, digest], "algo": ["nemo-rl-v3", algo]})
+    with pytest.raises(TableError, match=rf"row 1 \('b'\): .*{why}" if why != "is empty" else "column 'digest' is empty in row 1"):
+        compare(good, bad)
+
+
+def test_error_strings_never_match_each_other() -> None:
+    garbage = pd.DataFrame({"name": ["w"], "digest": ["error"], "algo": ["nemo-rl-v3"]})
+    with pytest.raises(TableError, match="'error' is not a nemo-rl-v3 digest"):
+        compare(garbage, garbage)
+
+
+def test_uppercase_hex_is_read_as_lowercase() -> None:
+    frame = make_frame([{"name": "w", "digest": "AB" * 16, "algo": "nemo-rl-v3"}])
+    assert frame["digest"].iloc[0] == "ab" * 16
+
+
+def _rank_row(name: str, rank: int, tp: int, host: str = "h0", role: str = "engine") -> dict:
+    return {"name": name, "digest": "0" * 32, "algo": "nemo-rl-v3", "rank": rank, "tp": tp, "host": host, "role": role}
+
+
+@pytest.mark.parametrize(
+    ("rows", "why"),
+    [
+        ([_rank_row("w", 1, 0), _rank_row("v", 1, 1)], r"rank 1 claims two identities: \(rank=1 tp=0\) in row 0 and \(rank=1 tp=1\) in row 1"),
+        ([_rank_row("w", 1, 0, host="a"), _rank_row("v", 1, 0, host="b")], "rows 0 and 1 claim the same rank .* host 'a' and 'b'"),
+        ([_rank_row("w", 0, 0, role="trainer"), _rank_row("v", 0, 0)], "rows 0 and 1 claim the same rank .* role 'trainer' and 'engine'"),
+        ([_rank_row("w", 1, 1), _rank_row("v", 3, 1)], r"ranks 1 \(row 0\) and 3 \(row 1\) claim the same coordinates \(tp=1\)"),
+    ],
+)
+def test_one_rank_with_two_identities_is_an_error(rows: list[dict], why: str) -> None:
+    table = make_frame(rows)
+    with pytest.raises(TableError, match=why):
+        compare(table, table)
+    with pytest.raises(TableError, match=why):
+        compare(make_frame([_rank_row("w", 5, 5)]), table)

@@ -6,8 +6,10 @@ One row per (rank, parameter, phase). Columns, in order:
 column        dtype     meaning
 ============  ========  ==========================================================
 name          str       parameter name as its holder calls it
-digest        str       lowercase hex digest (32 chars for nemo-rl-v3, 64 for sha256)
-algo          str       algorithm that made ``digest``: ``nemo-rl-v3``, ``sha256``, ...
+digest        str       lowercase hex digest in its algorithm's format (32 chars for
+                        nemo-rl-v3, 64 for sha256; see ``wcviz.digest.DIGEST_FORMATS``)
+algo          str       algorithm that made ``digest``: ``nemo-rl-v3``, ``sha256``,
+                        ``sglang`` (an engine's own checksum); nothing else
 dtype         str       PyTorch dtype without ``torch.`` (``bfloat16``)
 shape         str       JSON list of dims: ``[4096, 4096]``; ``[]`` for a 0-d tensor
 nbytes        Int64     ``numel * element_size``
@@ -29,7 +31,10 @@ seconds       float64   what digesting this tensor cost on that rank (a device
 ============  ========  ==========================================================
 
 Missing strings are NA (never ``""``), so a table survives CSV, parquet and JSON
-unchanged: :func:`write_table` / :func:`read_table` roundtrip exactly.
+unchanged: :func:`write_table` / :func:`read_table` roundtrip exactly. A digest
+that is not in its algorithm's format (``"error"``, a sha256 labelled
+nemo-rl-v3, an unknown algorithm) is a :class:`TableError` naming the row:
+never a value that could match another garbage value.
 """
 
 from __future__ import annotations
@@ -60,6 +65,7 @@ __all__ = [
     "write_table",
     "table_text",
     "json_cell",
+    "check_identities",
     "TABLE_SUFFIXES",
 ]
 
@@ -165,12 +171,14 @@ def _coerce(df: pd.DataFrame, source: str) -> pd.DataFrame:
         s = df[col]
         try:
             if dtype == _STR:
-                s = s.astype("object").where(s.notna(), None).astype(_STR)
+                if str(s.dtype) != _STR:  # already the schema's NA-backed type (validated before): nothing to cast
+                    typed = pd.api.types.is_string_dtype(s.dtype) and s.dtype != object
+                    s = s.astype(_STR) if typed else s.astype("object").where(s.notna(), None).astype(_STR)
                 s = s.mask(s == "")
-            elif dtype == "Int64":
-                s = pd.to_numeric(s, errors="raise").astype("Int64")
-            else:
-                s = pd.to_numeric(s, errors="raise").astype("float64")
+            elif str(s.dtype) != dtype:
+                s = pd.to_numeric(s, errors="raise").astype(dtype)
+        except OverflowError:
+            raise TableError(f"{source}: column {col!r} holds a number that does not fit in int64") from None
         except (TypeError, ValueError) as e:
             raise TableError(f"{source}: column {col!r} cannot be read as {dtype}: {e}") from None
         out[col] = s
@@ -181,6 +189,22 @@ def _coerce(df: pd.DataFrame, source: str) -> pd.DataFrame:
     return frame.reset_index(drop=True)
 
 
+_SCALAR_KINDS = {"string", "empty", "integer", "floating", "mixed-integer-float", "boolean", "decimal"}
+
+
+def _refuse_nested(df: pd.DataFrame, source: str) -> None:
+    """Cells of schema columns are scalars: a list or object (from a JSON table, say) is named, not stringified."""
+    for col in df.columns:
+        if col not in COLUMNS or df[col].dtype != object:
+            continue  # typed columns (what sources build) hold scalars by construction
+        if pd.api.types.infer_dtype(df[col], skipna=True) in _SCALAR_KINDS:
+            continue  # one pass in C: only a column of mixed kinds is looked at cell by cell
+        nested = df[col].map(lambda v: isinstance(v, (list, tuple, dict, set, bytes)))
+        if bool(nested.any()):
+            i = int(nested.to_numpy().nonzero()[0][0])
+            raise TableError(f"{source}: column {col!r} holds a {type(df[col].iloc[i]).__name__} in row {i}, not a value")
+
+
 def validate(df: pd.DataFrame, source: str = "table") -> pd.DataFrame:
     """Check a frame against the schema and return it coerced; errors name the column."""
     if not isinstance(df, pd.DataFrame):
@@ -188,6 +212,7 @@ def validate(df: pd.DataFrame, source: str = "table") -> pd.DataFrame:
     missing = [c for c in REQUIRED if c not in df.columns]
     if missing:
         raise TableError(f"{source}: missing required column(s) {', '.join(missing)}")
+    _refuse_nested(df, source)
     parsed = {"layer": parse_layer, "block": parse_block, "expert": parse_expert}
     absent = [c for c in parsed if c not in df.columns]
     if absent:  # a table from elsewhere: derive them from the names, as make_frame does
@@ -201,7 +226,81 @@ def validate(df: pd.DataFrame, source: str = "table") -> pd.DataFrame:
     bad = frame.loc[frame["block"].notna() & ~frame["block"].isin(BLOCKS), "block"]
     if len(bad):
         raise TableError(f"{source}: column 'block' has {bad.iloc[0]!r}; expected one of {', '.join(BLOCKS)}")
+    frame["digest"] = _checked_digests(frame, source)
     return frame
+
+
+def _checked_digests(frame: pd.DataFrame, source: str) -> pd.Series:
+    """The digest column in lowercase, once every digest is in its algorithm's format; else a TableError naming the row."""
+    from wcviz.digest import DIGEST_FORMATS, digest_format_error
+
+    digests, algos = frame["digest"], frame["algo"]
+    present = [a for a in algos.unique() if a in DIGEST_FORMATS]
+    for attempt in range(2):  # as given (lowercase: the common case), then lowercased
+        if len(present) == 1:  # one algorithm, as a table nearly always has
+            good = digests.str.fullmatch(DIGEST_FORMATS[present[0]][1].pattern) & (algos == present[0])
+        else:
+            good = pd.Series(False, index=frame.index)
+            for algo in present:
+                good |= (algos == algo) & digests.str.fullmatch(DIGEST_FORMATS[algo][1].pattern)
+        good = good.fillna(False).astype(bool)
+        if bool(good.all()):
+            return digests
+        if attempt == 0:
+            digests = digests.str.lower()
+    i = int(frame.index[~good][0])
+    raise TableError(f"{source}: row {i} ({frame['name'].iloc[i]!r}): {digest_format_error(algos.iloc[i], frame['digest'].iloc[i])}")
+
+
+def _coords(row: Mapping[str, Any], cols: Sequence[str] = IDENTITY) -> str:
+    shown = " ".join(f"{c}={int(row[c])}" for c in cols if not pd.isna(row[c]))
+    return f"({shown or 'no coordinates'})"
+
+
+def check_identities(df: pd.DataFrame, source: str = "table") -> None:
+    """Refuse a table in which one rank claims two identities: a rank number with two sets of
+    coordinates, one set of coordinates with two rank numbers, or with two roles or hosts.
+
+    Verdicts match ranks by their coordinates, so such rows would silently be merged into
+    one rank or split into two; raises a :class:`TableError` naming both rows.
+    """
+    ids = list(IDENTITY)
+    ranked = df[df["rank"].notna()]
+    if len(ranked):
+        per = ranked[ids].drop_duplicates()
+        clash = per[per["rank"].duplicated(keep=False)]
+        if len(clash):
+            first, second = clash[clash["rank"] == clash["rank"].iloc[0]].index[:2]
+            raise TableError(
+                f"{source}: rank {int(df.at[first, 'rank'])} claims two identities: {_coords(df.loc[first])} in row "
+                f"{first} and {_coords(df.loc[second])} in row {second}"
+            )
+    coords = [c for c in IDENTITY if c != "rank"]
+    placed = ranked[ranked[coords].notna().any(axis=1)][ids].drop_duplicates()
+    clash = placed[placed.duplicated(coords, keep=False)]
+    if len(clash):  # two rank numbers on one set of coordinates: two processes claim the same shard
+        first = clash.index[0]
+        key = clash.loc[first, coords]
+        same = clash[(clash[coords] == key).fillna(clash[coords].isna() & key.isna()).all(axis=1)]
+        second = same.index[1]
+        raise TableError(
+            f"{source}: ranks {int(df.at[first, 'rank'])} (row {first}) and {int(df.at[second, 'rank'])} (row {second}) "
+            f"claim the same coordinates {_coords(df.loc[first], coords)}"
+        )
+    for col in ("role", "host"):
+        if col not in df.columns:
+            continue
+        per = df[ids + [col]].dropna(subset=[col]).drop_duplicates()
+        clash = per[per.duplicated(ids, keep=False)]
+        if len(clash):
+            first = clash.index[0]
+            key = clash.loc[first, ids]
+            same = clash[(clash[ids] == key).fillna(clash[ids].isna() & key.isna()).all(axis=1)]
+            second = same.index[1]
+            raise TableError(
+                f"{source}: rows {first} and {second} claim the same rank {_coords(df.loc[first])} with "
+                f"{col} {df.at[first, col]!r} and {df.at[second, col]!r}: two ranks cannot share coordinates"
+            )
 
 
 def json_cell(v: Any) -> Any:
@@ -259,12 +358,15 @@ def read_table(path: str | Path) -> pd.DataFrame:
         if suffix == ".csv":
             try:
                 df = pd.read_csv(path, dtype={c: ("object" if t == _STR else t) for c, t in COLUMNS.items()}, keep_default_na=False, na_values=[""])
-            except (TypeError, ValueError):  # a value its column cannot hold: read as text so validate names the column
+            except (TypeError, ValueError, OverflowError):  # a value its column cannot hold: read as text so validate names the column
                 df = pd.read_csv(path, dtype="object", keep_default_na=False, na_values=[""])
         elif suffix == ".parquet":
             df = pd.read_parquet(path)
         elif suffix == ".json":
-            records = json.loads(path.read_text())
+            try:
+                records = json.loads(path.read_text())
+            except RecursionError:
+                raise TableError(f"{path}: not a readable json table: it nests too deeply") from None
             if not isinstance(records, list):
                 raise TableError(f"{path}: not a table: expected a JSON list of records, got a JSON {type(records).__name__}")
             df = empty_frame() if records == [] else pd.DataFrame.from_records(records)

@@ -20,11 +20,16 @@ from __future__ import annotations
 import pandas as pd
 
 from wcviz._errors import AlgorithmMismatch, TableError
-from wcviz.frame import IDENTITY, validate
+from wcviz.frame import IDENTITY, check_identities, validate
 
-__all__ = ["STATUSES", "compare", "differences", "counts"]
+__all__ = ["SEVERITY", "STATUSES", "compare", "differences", "counts"]
 
 STATUSES = ("mismatch", "drift", "missing", "unexpected", "match")  # most severe first
+# Every status a verdict frame may hold, worst first: compare()'s and the end-state check's
+# (wcviz.endstate.ENDSTATE_STATUSES), one order for every view.
+SEVERITY = (
+    "corrupted", "mismatch", "drift", "unwritten", "missing", "empty", "unreachable", "unexpected", "unproven", "match",
+)  # fmt: skip
 _SIDE = ("digest", "dtype", "shape", "nbytes", "role", "phase")
 
 
@@ -80,6 +85,8 @@ def compare(expected: pd.DataFrame, actual: pd.DataFrame) -> pd.DataFrame:
     """
     exp = validate(expected, "expected")
     act = validate(actual, "actual")
+    check_identities(exp, "expected")
+    check_identities(act, "actual")
     a_exp, a_act = _algo(exp, "expected"), _algo(act, "actual")
     if a_exp and a_act and a_exp != a_act:
         raise AlgorithmMismatch(f"cannot compare {a_exp} digests (expected) with {a_act} digests (actual)")
