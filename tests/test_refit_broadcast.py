@@ -179,6 +179,16 @@ def _scenarios() -> list[dict[str, Any]]:
         out += [
             {"name": f"{label} {mode}", "verify": mode, "faults": FaultPlan((fault,))} for label, fault, _ in FAULTS
         ]
+    subset = [n for n, _, _ in SPECS if n not in (NORM, HEAD)]
+    for mode in ("log", "enforce"):
+        out += [
+            # the "dropped bucket" bug: the trainer sends less than every engine declares
+            {"name": f"subset {mode}", "verify": mode, "send": subset},
+            {"name": f"nothing {mode}", "verify": mode, "send": []},
+            # a partial refit the caller states is checked against exactly what it says
+            {"name": f"partial {mode}", "verify": mode, "send": subset, "send_kwargs": {"partial": True}},
+            {"name": f"expected {mode}", "verify": mode, "send": subset[:3], "send_kwargs": {"expected": [*subset[:3], NORM]}},
+        ]
     out += [
         {"name": "no digests", "verify": "log", "engine_verify": {2: "off"}},
         {"name": "drift same size", "verify": "log", "drift": {2: {GATE: ((16, 32), F32)}}},
@@ -268,8 +278,11 @@ def _run_sender(sc: dict[str, Any], group: Any, warnings: list[str]) -> dict[str
     record: dict[str, Any] = {}
     sender.prepare()
     t0 = time.monotonic()
+    weights = trainer_weights()
+    if "send" in sc:
+        weights = {n: weights[n] for n in sc["send"]}
     try:
-        result = sender.send(trainer_weights())
+        result = sender.send(weights, **sc.get("send_kwargs", {}))
     except BroadcastDigestMismatch as e:
         record["error"] = _error(e)
         result = e.broadcast
@@ -497,6 +510,33 @@ def test_fault_is_detected_with_exact_names_on_the_right_ranks(world, label, fau
         assert "error" not in got, got.get("error")
         named_here = {name for _, name in _expected_warnings({rank: bad.get(rank, {})})}
         assert differing(got["state"]) == named_here - {BIAS}  # an empty tensor cannot hold other bytes
+
+
+@pytest.mark.parametrize("mode", ["log", "enforce"])
+def test_a_subset_or_nothing_sent_is_missing_by_name_on_every_engine(world, mode):
+    """The README's dropped-bucket bug: what an engine declares and never got is missing, never "verified"."""
+    for label, missing in (("subset", {NORM, HEAD}), ("nothing", {n for n, _, _ in SPECS})):
+        sent = rec(world, f"{label} {mode}", 0)
+        assert sent["bad"] == {rank: {"missing": tuple(sorted(missing))} for rank in ENGINES}, label
+        assert sent["ok"] is False
+        if mode == "enforce":
+            assert sent["error"]["type"] == "BroadcastDigestMismatch", sent.get("error")
+            assert "declared by the receiver, never sent" in sent["error"]["message"]
+            assert all(f"rank {rank}:" in sent["error"]["message"] for rank in ENGINES)
+        else:
+            assert "error" not in sent, sent.get("error")
+            assert {(r, n) for r in ENGINES for n in missing} == {
+                (int(m[1]), m[2]) for w in sent["warnings"] for m in [re.match(r"refit broadcast: rank (\d+): (\S+) is declared", w)] if m
+            }
+
+
+@pytest.mark.parametrize("mode", ["log", "enforce"])
+def test_a_stated_partial_refit_expects_exactly_what_it_says(world, mode):
+    partial = rec(world, f"partial {mode}", 0)
+    assert "error" not in partial and partial["ok"] is True and not partial["bad"]
+    listed = rec(world, f"expected {mode}", 0)  # three sent, four expected: the fourth is missing
+    assert listed["bad"] == {rank: {"missing": (NORM,)} for rank in ENGINES}
+    assert listed["ok"] is False and (mode == "log") is ("error" not in listed)
 
 
 def test_an_engine_that_sends_no_digests_is_a_protocol_error_naming_it(world):

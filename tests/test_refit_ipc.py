@@ -294,6 +294,7 @@ def refit(
     faults: FaultPlan | None = None,
     timeout_s: float = 10.0,
     receiver_timeout_s: float = 10.0,
+    send_kwargs: dict[str, Any] | None = None,
     **cmd: Any,
 ) -> Run:
     """Stream each of ``sends`` (default: the model once) from this process to the worker; gather both ends."""
@@ -306,7 +307,7 @@ def refit(
         worker.start(sender.address, **cmd)
         for tensors in sends:
             try:
-                results.append(sender.send(tensors))
+                results.append(sender.send(tensors, **(send_kwargs or {})))
                 errors.append(None)
             except RefitError as e:
                 results.append(None)
@@ -665,3 +666,183 @@ def test_transport_without_verification_refuses_a_verify_mode(tmp_path: Path, ve
     assert IPCSender.supports_verify and IPCReceiver.supports_verify and issubclass(IPCSender, Transport)
     with pytest.raises(ValueError, match="invalid value for verify.mode: 'loud'"):
         IPCSender(verify="loud")
+
+
+# --------------------------------------------------------------------------- what the receiver declares must arrive
+
+
+SUBSET = {n: t for n, t in MODEL.items() if n not in (NORM, DROP)}
+
+
+@pytest.mark.parametrize("sent", ["subset", "nothing"])
+def test_declared_parameters_that_were_never_sent_are_missing_by_name(worker: Worker, sent: str) -> None:
+    """The dropped-bucket bug: a refit that sends less than the receiver declares is not "verified"."""
+    tensors = SUBSET if sent == "subset" else {}
+    run = refit(worker, tensors, verify="log")
+    result = run.result
+    assert result is not None and result.verified and not result.ok
+    never = sorted(set(MODEL) - set(tensors))
+    assert list(result.missing) == never and list(result.unsent) == never
+    assert not result.mismatched and not result.unexpected
+    assert "declared by the receiver, never sent" in result.describe() and NORM in result.describe()
+    assert "every digest matches" not in result.describe()
+    enforced = refit(worker, tensors, verify="enforce")
+    assert isinstance(enforced.error, RefitDigestMismatch) and list(enforced.error.result.missing) == never
+    assert NORM in str(enforced.error)
+
+
+def test_a_stated_partial_refit_is_checked_against_what_it_states(worker: Worker) -> None:
+    run = refit(worker, SUBSET, verify="enforce", send_kwargs={"partial": True})
+    assert run.error is None and run.result is not None and run.result.ok
+    assert run.result.expected == len(SUBSET)
+    listed = refit(worker, SUBSET, verify="log", send_kwargs={"expected": [*SUBSET, NORM]})
+    assert listed.result is not None and not listed.result.ok and list(listed.result.missing) == [NORM]
+
+
+def test_an_impossible_expected_list_is_refused_before_anything_is_sent() -> None:
+    cases = [
+        ({"expected": ["model.nope"]}, SUBSET, "does not declare: model.nope"),
+        ({"expected": [NORM]}, {DROP: MODEL[DROP], NORM: MODEL[NORM]}, f"outside the expected names: .*{DROP}"),
+        ({"partial": True, "expected": list(SUBSET)}, SUBSET, "not both"),
+    ]
+    with IPCSender(verify="log", timeout_s=1) as sender:
+        for kwargs, tensors, why in cases:
+            sender.metadata = dict(META)  # as prepare() would have learnt it; nothing is sent below
+            with pytest.raises(ValueError, match=why):
+                sender.send(tensors, **kwargs)
+
+
+def test_one_element_strided_views_travel_like_their_copies(worker: Worker) -> None:
+    big = torch.arange(64, dtype=torch.float32).reshape(8, 8)
+    views = {n: t.clone() for n, t in MODEL.items()}
+    views["model.rotary_emb.scale"] = big.t()[:1, :1].reshape(())  # 0-d view with a stride
+    run = refit(worker, views, verify="enforce")
+    assert run.error is None and run.result is not None and run.result.ok
+
+
+# --------------------------------------------------------------------------- the control channel carries data, not code
+
+
+@pytest.mark.parametrize(
+    "address",
+    ["tcp://127.0.0.1:5555", "ipc://@wcviz-abstract", "ipc:///tmp/wcviz-refit.sock", "ipc:///no/such/dir/x.sock", ""],
+)
+def test_only_ipc_in_a_private_directory_is_accepted(address: str) -> None:
+    with pytest.raises(RefitProtocolError, match="refused"):
+        IPCSender(address)
+    with pytest.raises(RefitProtocolError, match="refused"):
+        IPCReceiver(address, META, lambda batch: None)
+
+
+def test_a_group_writable_directory_is_not_private(tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o775)
+    with pytest.raises(RefitProtocolError, match="not private"):
+        IPCSender(f"ipc://{shared}/refit.sock")
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    with IPCSender(f"ipc://{private}/refit.sock") as sender:
+        assert sender.address.endswith("private/refit.sock")
+
+
+class _Boom:
+    """A pickle that touches a file when it is loaded: proof that a peer's message ran code."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Path.touch, (self.path,))
+
+
+def test_a_peer_that_answers_with_a_pickle_runs_nothing_here(tmp_path: Path) -> None:
+    import pickle
+    import threading
+
+    import zmq
+
+    touched = tmp_path / "pwned"
+    with IPCSender(verify="log", timeout_s=5) as sender:
+        ctx = zmq.Context()
+        rep = ctx.socket(zmq.REP)
+        rep.connect(sender.address)
+
+        def evil_receiver() -> None:
+            if rep.poll(5000):
+                rep.recv()
+                rep.send(pickle.dumps({"op": "info", "metadata": _Boom(touched)}))
+
+        peer = threading.Thread(target=evil_receiver)
+        peer.start()
+        try:
+            with pytest.raises(RefitProtocolError, match="not JSON"):
+                sender.prepare()
+        finally:
+            peer.join(10)
+            rep.close(0)
+            ctx.term()
+    assert not touched.exists()
+
+
+@pytest.mark.parametrize(
+    ("message", "why"),
+    [
+        ({"op": "batch", "names": ["x"], "used": 512, "buffer": {"kind": "shm", "key": "../../etc/passwd", "nbytes": 512, "transient": False}}, "bad buffer handle"),
+        ({"op": "batch", "names": "x", "used": 512, "buffer": None}, "malformed batch"),
+        ({"op": "batch", "names": ["x"], "used": -1}, "malformed batch"),
+    ],
+)
+def test_a_receiver_refuses_a_malformed_batch_naming_it(tmp_path: Path, message: dict[str, Any], why: str) -> None:
+    import json
+    import threading
+
+    import zmq
+
+    private = tmp_path / "p"
+    private.mkdir(mode=0o700)
+    address = f"ipc://{private}/refit.sock"
+    ctx = zmq.Context()
+    req = ctx.socket(zmq.REQ)
+    req.bind(address)
+    replies: list[Any] = []
+
+    def evil_sender() -> None:
+        req.send(json.dumps(message).encode())
+        if req.poll(5000):
+            replies.append(json.loads(req.recv()))
+
+    peer = threading.Thread(target=evil_sender)
+    peer.start()
+    try:
+        with IPCReceiver(address, {"x": ((128,), "float32")}, lambda batch: None, timeout_s=5) as receiver:
+            with pytest.raises(RefitProtocolError, match=why):
+                receiver.serve()
+    finally:
+        peer.join(10)
+        req.close(0)
+        ctx.term()
+    assert replies and replies[0]["ok"] is False and why in replies[0]["error"]
+
+
+def test_a_cuda_handle_travels_as_plain_json_and_rebuilds_the_same_args() -> None:
+    """CUDA IPC handles cross as base64 fields of a fixed schema (torch 2.13's reduce_tensor args), not a pickle."""
+    import json
+
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    from wcviz.refit._shm import BufferHandle, HandleError
+
+    args = (
+        torch.Tensor, torch.Size([4096]), (1,), 0, torch.storage.TypedStorage, torch.uint8, 0, b"\x01" * 64,
+        4096, 512, False, b"\x02" * 64, 8, b"\x03" * 64, True,
+    )  # fmt: skip
+    handle = BufferHandle("cuda", "wcviz_1_0123456789ab", 4096, False, cuda=(rebuild_cuda_tensor, args))
+    wire = json.loads(json.dumps(handle.to_wire()))
+    back = BufferHandle.from_wire(wire)
+    assert back.cuda is not None and back.cuda[0] is rebuild_cuda_tensor and back.cuda[1] == args
+    assert (back.kind, back.key, back.nbytes, back.transient) == ("cuda", handle.key, 4096, False)
+    for bad in ({**wire, "cuda": {**wire["cuda"], "handle": "%%%"}}, {**wire, "cuda": {**wire["cuda"], "stride": [2]}},
+                {**wire, "key": "wcviz_1_../../x"}, {**wire, "extra": 1}):  # fmt: skip
+        with pytest.raises(HandleError):
+            BufferHandle.from_wire(bad)

@@ -1,7 +1,8 @@
 """Staging buffers that cross process boundaries by handle, without a copy.
 
 The owner creates a flat ``uint8`` buffer and sends its :class:`BufferHandle`
-(small and picklable); the peer attaches it and sees the same memory. On the
+(small; :meth:`BufferHandle.to_wire` makes it plain JSON data, so the control
+channel never unpickles anything); the peer attaches it and sees the same memory. On the
 CPU the buffer is a POSIX shared-memory segment whose name starts with
 :data:`PREFIX` (so a leak is easy to spot in ``/dev/shm``); on a GPU it is a
 CUDA allocation shared through CUDA IPC (``reduce_tensor``), which needs both
@@ -13,8 +14,10 @@ the peer only lets go of its mapping (:meth:`AttachedBuffer.close`).
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import os
+import re
 import secrets
 import sys
 import threading
@@ -29,6 +32,21 @@ import torch
 __all__ = ["PREFIX", "AttachedBuffer", "BufferHandle", "OwnedBuffer"]
 
 PREFIX = "wcviz_"
+_KEY = re.compile(rf"{PREFIX}\d+_[0-9a-f]{{12}}")  # what _unique_key makes: nothing else is attached
+# reduce_tensor's args for a CUDA tensor (torch.multiprocessing.reductions, read in torch 2.13):
+# (tensor_cls, size, stride, offset, storage_cls, dtype, device, handle, storage_size_bytes,
+#  storage_offset_bytes, requires_grad, ref_counter_handle, ref_counter_offset, event_handle,
+#  event_sync_required). Classes and dtype are fixed (a flat uint8 torch.Tensor); the rest travels.
+_CUDA_FIELDS = (
+    "size", "stride", "offset", "device", "handle", "storage_size_bytes", "storage_offset_bytes",
+    "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required",
+)  # fmt: skip
+_CUDA_AT = (1, 2, 3, 6, 7, 8, 9, 11, 12, 13, 14)  # where each field sits in the args
+_BYTES = {"handle", "ref_counter_handle", "event_handle"}
+
+
+class HandleError(ValueError):
+    """A buffer handle from the wire that is not one this module makes."""
 
 
 @dataclass(frozen=True)
@@ -45,6 +63,77 @@ class BufferHandle:
     nbytes: int
     transient: bool = False
     cuda: tuple[Any, tuple[Any, ...]] | None = None
+
+    def to_wire(self) -> dict[str, Any]:
+        """Plain JSON data for the control channel (bytes as base64, no classes or functions)."""
+        out: dict[str, Any] = {"kind": self.kind, "key": self.key, "nbytes": self.nbytes, "transient": self.transient}
+        if self.cuda is not None:
+            args = self.cuda[1]
+            out["cuda"] = {
+                f: (_b64(args[i]) if f in _BYTES else list(args[i]) if f in ("size", "stride") else args[i])
+                for f, i in zip(_CUDA_FIELDS, _CUDA_AT)
+            }
+        return out
+
+    @classmethod
+    def from_wire(cls, data: Any) -> BufferHandle:
+        """The handle :meth:`to_wire` described, checked field by field; :class:`HandleError` for anything else."""
+        if not isinstance(data, dict) or set(data) - {"kind", "key", "nbytes", "transient", "cuda"}:
+            raise HandleError(f"not a buffer handle: {str(data)[:200]}")
+        kind, key, nbytes, transient = data.get("kind"), data.get("key"), data.get("nbytes"), data.get("transient")
+        if kind not in ("shm", "cuda") or not isinstance(key, str) or not _KEY.fullmatch(key):
+            raise HandleError(f"not a buffer this transport makes: kind {kind!r}, key {str(key)[:80]!r}")
+        if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 1 or not isinstance(transient, bool):
+            raise HandleError(f"buffer handle {key}: bad size {nbytes!r} or transient flag {transient!r}")
+        cuda = None
+        if kind == "cuda":
+            cuda = _cuda_rebuild(key, data.get("cuda"))
+        elif data.get("cuda") is not None:
+            raise HandleError(f"buffer handle {key}: a shared-memory buffer carries no CUDA handle")
+        return cls(kind, key, int(nbytes), transient, cuda)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _b64(v: Any) -> str | None:
+    return None if v is None else base64.b64encode(bytes(v)).decode("ascii")
+
+
+def _cuda_rebuild(key: str, fields: Any) -> tuple[Any, tuple[Any, ...]]:
+    """``(rebuild_cuda_tensor, args)`` for a flat uint8 CUDA buffer, from checked wire fields."""
+    if not isinstance(fields, dict) or set(fields) != set(_CUDA_FIELDS):
+        raise HandleError(f"buffer handle {key}: the CUDA handle needs exactly {', '.join(_CUDA_FIELDS)}")
+    size, stride = fields["size"], fields["stride"]
+    if not (isinstance(size, list) and len(size) == 1 and _is_int(size[0]) and stride == [1]):
+        raise HandleError(f"buffer handle {key}: a staging buffer is flat and contiguous, got size {size!r} stride {stride!r}")
+    for f in ("offset", "device", "storage_size_bytes", "storage_offset_bytes", "ref_counter_offset"):
+        if not _is_int(fields[f]) or fields[f] < 0:
+            raise HandleError(f"buffer handle {key}: {f} must be a non-negative integer, got {fields[f]!r}")
+    if not isinstance(fields["event_sync_required"], bool):
+        raise HandleError(f"buffer handle {key}: event_sync_required must be a bool")
+    raw: dict[str, bytes | None] = {}
+    for f in _BYTES:
+        v = fields[f]
+        if v is None and f == "event_handle":
+            raw[f] = None
+            continue
+        try:
+            raw[f] = base64.b64decode(v, validate=True) if isinstance(v, str) else None
+        except ValueError:
+            raw[f] = None
+        if raw[f] is None:
+            raise HandleError(f"buffer handle {key}: {f} is not base64 bytes")
+    import torch
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    args = (
+        torch.Tensor, torch.Size(size), (1,), fields["offset"], torch.storage.TypedStorage, torch.uint8,
+        fields["device"], raw["handle"], fields["storage_size_bytes"], fields["storage_offset_bytes"], False,
+        raw["ref_counter_handle"], fields["ref_counter_offset"], raw["event_handle"], fields["event_sync_required"],
+    )  # fmt: skip
+    return rebuild_cuda_tensor, args
 
 
 def _unique_key() -> str:

@@ -90,7 +90,9 @@ from wcviz.refit.verify import (
     RefitProtocolError,
     RefitResult,
     RefitTimeout,
-    check,
+    compare,
+    expected_names,
+    warn,
 )
 
 __all__ = [
@@ -344,15 +346,28 @@ class Received:
     digests: Mapping[str, str] | None = None
 
 
-def _compare(sender: Mapping[str, str], receiver: Mapping[str, str], nbytes: int) -> RefitResult:
-    """verify.check's comparison of one rank, without its logging: the broadcast logs and raises per rank.
+def _expected_per_rank(
+    metadata: Mapping[int, Mapping[str, Meta]], sent: list[str], partial: bool, expected: Iterable[str] | None
+) -> dict[int, set[str]]:
+    """What each engine must hold after the stream: all it declares, or the caller's partial refit.
 
-    ``check`` raises in ``enforce`` before it logs anything; its result is on the exception.
+    ``expected`` names apply to each engine as far as it declares them (pipeline stages
+    declare different names); one that no engine declares is an error.
     """
-    try:
-        return check("enforce", sender, receiver, nbytes=nbytes)
-    except RefitDigestMismatch as e:
-        return e.result
+    if expected is None:
+        return {rank: expected_names(meta, sent, partial=partial) for rank, meta in metadata.items()}
+    if isinstance(expected, str):
+        raise TypeError("expected must be a list of parameter names, not one string")
+    names = set(expected)
+    declared = set().union(*(set(m) for m in metadata.values())) if metadata else set()
+    expected_names(declared, sent, partial=partial, expected=names)  # the checks: unknown names, sends outside the list
+    return {rank: names & set(meta) for rank, meta in metadata.items()}
+
+
+def _received(rank: int, digests: Any) -> Mapping[str, str]:
+    if not isinstance(digests, Mapping) or not all(isinstance(n, str) and isinstance(d, str) for n, d in digests.items()):
+        raise RefitProtocolError(f"refit broadcast: rank {rank} sent digests that are not {{name: hex}}: {str(digests)[:200]}")
+    return digests
 
 
 # --- sender ----------------------------------------------------------------------------------------------------
@@ -413,13 +428,22 @@ class BroadcastSender(_Member):
         self.metadata = {ranks[i]: _metadata(m) for i, m in enumerate(gathered) if ranks[i] != self.src}
         return self.metadata
 
-    def send(self, named_tensors: NamedTensors) -> BroadcastResult:
-        """Broadcast ``named_tensors`` to every engine and check what each one received (see the module docstring)."""
+    def send(self, named_tensors: NamedTensors, *, partial: bool = False, expected: Iterable[str] | None = None) -> BroadcastResult:
+        """Broadcast ``named_tensors`` to every engine and check what each one received (see the module docstring).
+
+        Every parameter an engine declares must arrive there: one that was not sent
+        (or was lost on the way to that rank) is ``missing`` on that rank. To update
+        a subset on purpose: ``partial=True`` (exactly what is sent must arrive) or
+        ``expected=[names]`` (exactly those, on every engine).
+        """
         if self.metadata is None:
             raise RefitProtocolError("BroadcastSender.send before prepare(): the engines' metadata is unknown")
+        items = _pairs(named_tensors)
+        sent_names = [name for name, _ in items]
+        # checked before the barrier: a caller's mistake must not leave the engines waiting in a collective
+        want = _expected_per_rank(self.metadata, sent_names, partial, expected)
         self._barrier("the stream")
         try:
-            items = _pairs(named_tensors)
             sent = {name: _meta(t) for name, t in items}
             nbytes = sum(_nbytes(m) for m in sent.values())
             digests = self._stream(items)
@@ -433,7 +457,7 @@ class BroadcastSender(_Member):
         assert gathered is not None
         ranks = _group_ranks(self.group)
         reports = {ranks[i]: rep for i, rep in enumerate(gathered) if ranks[i] != self.src}
-        return self._finish(reports, sent, digests, nbytes)
+        return self._finish(reports, sent, digests, nbytes, want)
 
     def _stream(self, items: list[tuple[str, torch.Tensor]]) -> Mapping[str, str]:
         """Digest, fault, pack and broadcast every bucket; the sender's digests (empty when off)."""
@@ -499,7 +523,12 @@ class BroadcastSender(_Member):
         return out
 
     def _finish(
-        self, reports: Mapping[int, Any], sent: Mapping[str, Meta], digests: Mapping[str, str], nbytes: int
+        self,
+        reports: Mapping[int, Any],
+        sent: Mapping[str, Meta],
+        digests: Mapping[str, str],
+        nbytes: int,
+        want: Mapping[int, set[str]],
     ) -> BroadcastResult:
         """Protocol errors first, then each rank's digests against the sender's, as the mode says."""
         problems = {}
@@ -515,7 +544,7 @@ class BroadcastSender(_Member):
             )
         if self.mode == "off":
             return BroadcastResult(
-                "off", len(sent), nbytes, {r: RefitResult("off", len(sent), nbytes) for r in reports}
+                "off", len(sent), nbytes, {r: RefitResult("off", len(sent), nbytes, expected=len(want[r])) for r in reports}
             )
         silent = [rank for rank, report in reports.items() if report.get("digests") is None]
         if silent:
@@ -528,19 +557,14 @@ class BroadcastSender(_Member):
             len(sent),
             nbytes,
             {
-                rank: replace(_compare(digests, report["digests"], nbytes), mode=self.mode)
+                rank: compare(self.mode, digests, _received(rank, report["digests"]), nbytes=nbytes, expected=want[rank])
                 for rank, report in reports.items()
             },
         )
         if result.bad and self.mode == "enforce":
             raise BroadcastDigestMismatch(result)
         for rank, r in result.ranks.items():
-            for name in r.mismatched:
-                log.warning("refit broadcast: rank %d: %s differs between sender and receiver", rank, name)
-            for name in r.missing:
-                log.warning("refit broadcast: rank %d: %s was sent but never received", rank, name)
-            for name in r.unexpected:
-                log.warning("refit broadcast: rank %d: %s was received but never sent", rank, name)
+            warn(r, f"refit broadcast: rank {rank}: ")
         return result
 
 

@@ -3,7 +3,8 @@
 The path NeMo-RL, veRL and vLLM take when trainer and engine are colocated.
 Bytes move through buffers both processes map (POSIX shared memory on the CPU,
 CUDA IPC on a GPU; see :mod:`wcviz.refit._shm`); a ZMQ socket over ``ipc://``
-carries small control messages, pickled dicts. The sender binds a REQ socket,
+carries small control messages as JSON objects (never pickles: a peer's message is
+data, checked field by field, and cannot run code here). The sender binds a REQ socket,
 the receiver connects a REP socket: every request gets exactly one reply, and
 every wait is bounded by ``timeout_s`` (a silent peer is :class:`RefitTimeout`).
 
@@ -27,16 +28,20 @@ a parameter larger than half a staging buffer travels alone in a temporary one.
 With verification off the messages are exactly the above without ``digests``,
 and neither end digests anything.
 
-The socket lives in a private temporary directory; only processes of the same
-user can reach it, which is what makes unpickling its messages acceptable.
+Addresses are ``ipc://`` paths in a private directory only (owned by this user,
+writable by no one else; the default is a fresh ``mkdtemp``): another user's process
+can neither bind the path first nor connect to it. ``tcp://``, abstract sockets
+(``ipc://@name``) and shared directories such as ``/tmp`` itself are refused.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
 import shutil
+import stat
 import tempfile
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -49,10 +54,10 @@ from wcviz.digest import DigestAccumulator, parse_dtype
 from wcviz.digest._api import _pairs
 from wcviz.digest._lanes import logical_bytes
 from wcviz.refit._packing import Bucket, Meta, aligned, pack, plan, unpack, walk
-from wcviz.refit._shm import AttachedBuffer, BufferHandle, OwnedBuffer
+from wcviz.refit._shm import AttachedBuffer, BufferHandle, HandleError, OwnedBuffer
 from wcviz.refit._transport import Transport
 from wcviz.refit.faults import FaultPlan, as_like, shifted
-from wcviz.refit.verify import RefitProtocolError, RefitResult, RefitTimeout, check
+from wcviz.refit.verify import RefitProtocolError, RefitResult, RefitTimeout, check, expected_names
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -63,6 +68,7 @@ DEFAULT_BUFFER_BYTES = 256 << 20
 DEFAULT_TIMEOUT_S = 60.0
 SENDER, WIRE, RECEIVER = "sender_after_digest", "wire", "receiver_before_load"
 _REPLY_LINGER_MS = 500  # the receiver's last reply must leave even if it closes at once; bounded, never a hang
+_MAX_MESSAGE = 256 << 20  # bytes: metadata of the largest models is a few MB; anything bigger is refused by ZMQ
 
 WireLog = list[tuple[str, dict[str, Any]]]  # ("send" | "recv", message): every control message of one end, in order
 LoadWeights = Callable[[list[tuple[str, torch.Tensor]]], None]
@@ -87,13 +93,102 @@ def _sync(buf: torch.Tensor) -> None:
         torch.cuda.current_stream(buf.device).synchronize()
 
 
+def check_address(address: str) -> str:
+    """``address`` if it is an ``ipc://`` path in a private directory; else :class:`RefitProtocolError` saying why.
+
+    Private: the directory exists, belongs to this user and no one else may write
+    to it, so no other user's process can bind the socket first (and answer with
+    its own messages) or replace it.
+    """
+    if not isinstance(address, str) or not address.startswith("ipc://"):
+        raise RefitProtocolError(
+            f"refit address {address!r} refused: only ipc:// sockets in a private directory carry the control "
+            "channel (no tcp://: any local process could connect or answer first)"
+        )
+    path = address.removeprefix("ipc://")
+    if not path or path.startswith("@") or "\0" in path:
+        raise RefitProtocolError(f"refit address {address!r} refused: abstract or empty socket names are reachable by any local process")
+    directory = os.path.dirname(os.path.abspath(path))
+    try:
+        st = os.stat(directory)
+    except OSError as e:
+        raise RefitProtocolError(f"refit address {address!r} refused: its directory {directory} cannot be used ({e.strerror})") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise RefitProtocolError(f"refit address {address!r} refused: {directory} is not a directory")
+    if st.st_uid != os.getuid() or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise RefitProtocolError(
+            f"refit address {address!r} refused: {directory} is not private (owner uid {st.st_uid}, mode "
+            f"{stat.S_IMODE(st.st_mode):o}); use a directory of this user's that no one else can write (mkdtemp), "
+            "or let IPCSender choose the address"
+        )
+    return address
+
+
+def _to_json(obj: Any) -> Any:
+    """A control message as plain JSON data: handles as dicts, tuples as lists."""
+    if isinstance(obj, BufferHandle):
+        return obj.to_wire()
+    if isinstance(obj, dict):
+        return {str(k): _to_json(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_to_json(v) for v in obj]
+    return obj
+
+
+def _encode(msg: dict[str, Any]) -> bytes:
+    return json.dumps(_to_json(msg), allow_nan=False, separators=(",", ":")).encode()
+
+
+def _decode(raw: bytes, peer: str, address: str) -> dict[str, Any]:
+    """Parse one control message; anything that is not a JSON object (or nests absurdly deep) is a protocol error."""
+    try:
+        msg = json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        raise RefitProtocolError(f"the {peer} at {address} sent a message that is not JSON ({type(e).__name__})") from None
+    if not isinstance(msg, dict):
+        raise RefitProtocolError(f"the {peer} at {address} sent a JSON {type(msg).__name__}, not a message object")
+    if "buffer" in msg:  # a valid handle becomes one; anything else stays as sent, for the receiver to refuse by name
+        with contextlib.suppress(HandleError):
+            msg["buffer"] = BufferHandle.from_wire(msg["buffer"])
+    return msg
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _checked_metadata(value: Any, address: str) -> dict[str, Meta]:
+    """The receiver's ``{name: (shape, dtype)}`` from the wire, every field checked."""
+    if not isinstance(value, dict):
+        raise RefitProtocolError(f"the receiver at {address} sent metadata that is not an object: {str(value)[:200]}")
+    out: dict[str, Meta] = {}
+    for name, entry in value.items():
+        ok = isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], list) and isinstance(entry[1], str)
+        if not ok or not all(_is_int(d) and 0 <= d < 1 << 62 for d in entry[0]):
+            raise RefitProtocolError(f"the receiver at {address} sent bad metadata for {name!r}: {str(entry)[:200]}")
+        try:
+            parse_dtype(entry[1])
+        except ValueError:
+            raise RefitProtocolError(f"the receiver at {address} declares {name!r} with unknown dtype {entry[1]!r}") from None
+        out[name] = (tuple(entry[0]), entry[1])
+    return out
+
+
+def _checked_digests(value: Any, address: str) -> dict[str, str] | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
+        raise RefitProtocolError(f"the receiver at {address} sent digests that are not {{name: hex}}: {str(value)[:200]}")
+    return value
+
+
 class _Socket:
     """A ZMQ socket whose every wait is bounded: a dead or hung peer is RefitTimeout, never a hang."""
 
     def __init__(
         self, kind: int, address: str, *, bind: bool, timeout_s: float, linger_ms: int, wire_log: WireLog | None
     ):
-        self.address = address
+        self.address = check_address(address)
         self.timeout_s = timeout_s
         self.awaiting = False  # a request went out and its reply has not come back
         self._peer = "receiver" if kind == zmq.REQ else "sender"
@@ -102,6 +197,7 @@ class _Socket:
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(kind)
         self._sock.setsockopt(zmq.LINGER, linger_ms)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, _MAX_MESSAGE)
         try:
             if bind:
                 self._sock.bind(address)
@@ -116,7 +212,7 @@ class _Socket:
             raise RefitTimeout(
                 f"timed out after {self.timeout_s:g}s sending {what}: no {self._peer} connected at {self.address}"
             )
-        self._sock.send_pyobj(msg, zmq.NOBLOCK)
+        self._sock.send(_encode(msg), zmq.NOBLOCK)
         self.awaiting = self._peer == "receiver"
         if self._wire_log is not None:
             self._wire_log.append(("send", msg))
@@ -127,14 +223,11 @@ class _Socket:
                 f"timed out after {self.timeout_s:g}s waiting for {what} from the {self._peer} at {self.address} "
                 f"(is it alive?)"
             )
-        msg = self._sock.recv_pyobj(zmq.NOBLOCK)
+        raw = self._sock.recv(zmq.NOBLOCK)
         self.awaiting = False
+        msg = _decode(raw, self._peer, self.address)
         if self._wire_log is not None:
             self._wire_log.append(("recv", msg))
-        if not isinstance(msg, dict):
-            raise RefitProtocolError(
-                f"the {self._peer} at {self.address} sent {type(msg).__name__}, not a message dict"
-            )
         return msg
 
     def close(self) -> None:
@@ -230,20 +323,31 @@ class IPCSender(Transport):
             raise
         if reply.get("op") != "info" or not isinstance(reply.get("metadata"), dict):
             raise RefitProtocolError(f"the receiver at {self.address} answered prepare with {reply!r:.200}")
-        self.metadata = {n: (tuple(s), str(d)) for n, (s, d) in reply["metadata"].items()}
+        self.metadata = _checked_metadata(reply["metadata"], self.address)
         return self.metadata
 
-    def send(self, named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> RefitResult:
+    def send(
+        self,
+        named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+        *,
+        partial: bool = False,
+        expected: Iterable[str] | None = None,
+    ) -> RefitResult:
         """Stream ``named_tensors`` to the receiver; with verification on, compare both ends' digests.
 
-        ``log`` warns naming each parameter that did not arrive intact and returns
-        the result; ``enforce`` raises :class:`RefitDigestMismatch`. A receiver that
-        refuses a batch is :class:`RefitProtocolError`, a silent one :class:`RefitTimeout`.
+        Every parameter the receiver declares must arrive: one that was not sent (or
+        was lost) is ``missing`` and the refit is not ok. To update a subset on
+        purpose, say so: ``partial=True`` (exactly what is sent must arrive) or
+        ``expected=[names]`` (exactly those). ``log`` warns naming each parameter that
+        did not arrive intact and returns the result; ``enforce`` raises
+        :class:`RefitDigestMismatch`. A receiver that refuses a batch is
+        :class:`RefitProtocolError`, a silent one :class:`RefitTimeout`.
         """
         tensors = _pairs(named_tensors)
         try:
             metadata = self.metadata if self.metadata is not None else self.prepare()
             self._check_framing(tensors, metadata)
+            want = expected_names(metadata, (n for n, _ in tensors), partial=partial, expected=expected)
             acc = DigestAccumulator() if self.verifying else None
             reply = self._stream(self._outgoing(tensors), dict(tensors), acc)
         except BaseException:
@@ -254,8 +358,8 @@ class IPCSender(Transport):
             raise
         nbytes = sum(_nbytes(t) for _, t in tensors)
         if acc is None:
-            return RefitResult(self.mode, params=len(tensors), nbytes=nbytes)
-        return check(self.mode, acc.hex(), reply.get("digests"), nbytes=nbytes)
+            return RefitResult(self.mode, params=len(tensors), nbytes=nbytes, expected=len(want))
+        return check(self.mode, acc.hex(), _checked_digests(reply.get("digests"), self.address), nbytes=nbytes, expected=want)
 
     def _check_framing(self, tensors: list[tuple[str, torch.Tensor]], metadata: Mapping[str, Meta]) -> None:
         """Refuse, before anything is sent, names the receiver lacks and byte sizes it does not expect.
@@ -475,7 +579,11 @@ class IPCReceiver(Transport):
         stream = _Stream(DigestAccumulator() if self.verifying else None)
         try:
             while True:
-                msg = sock.recv("the next request")
+                try:
+                    msg = sock.recv("the next request")
+                except RefitProtocolError as e:  # a message that is not one: it still gets its (error) reply
+                    sock.send({"op": "ack", "ok": False, "error": str(e)}, "an error reply")
+                    raise
                 op = msg.get("op")
                 if op == "prepare":  # also where a sender starts over after a failed stream
                     self._release()
@@ -499,7 +607,17 @@ class IPCReceiver(Transport):
 
     def _batch(self, msg: dict[str, Any], stream: _Stream) -> dict[str, Any]:
         """Check the batch against this receiver's metadata, slice it, apply faults, digest, load; the ack."""
-        names, used, handle = list(msg["names"]), int(msg["used"]), msg["buffer"]
+        names, used = msg.get("names"), msg.get("used")
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise RefitProtocolError(f"malformed batch from the sender: names {str(names)[:120]}, used {used!r}")
+        if not isinstance(used, int) or isinstance(used, bool) or used < 0:
+            raise RefitProtocolError(f"malformed batch from the sender: names {str(names)[:120]}, used {used!r}")
+        try:
+            handle = msg.get("buffer")
+            if not isinstance(handle, BufferHandle):
+                handle = BufferHandle.from_wire(handle)
+        except HandleError as e:
+            raise RefitProtocolError(f"the sender at {self.address} sent a bad buffer handle: {e}") from None
         unknown = [n for n in names if n not in self.metadata]
         if unknown:
             raise RefitProtocolError(f"batch names parameters this receiver does not have: {', '.join(unknown)}")
