@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import random
+import re
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -335,3 +337,104 @@ def test_fetch_times_out_a_hanging_rank() -> None:
     assert time.perf_counter() - t0 < 2.0
     assert not result.complete and result.failed["kind"].tolist() == ["unreachable"]
     assert "timed out after 0.1 s" in result.errors["http://slow"]
+
+
+# ---- the agent lives inside an engine: nothing a request carries may hurt the host ---------
+
+
+def _in_thread(fn: Any, timeout_s: float = 60.0) -> Any:
+    """Run ``fn`` in a thread and give up waiting after a generous bound: a hang fails, it never blocks the suite."""
+    out: list[Any] = []
+    t = threading.Thread(target=lambda: out.append(fn()), daemon=True)
+    t.start()
+    t.join(timeout_s)
+    assert not t.is_alive(), f"still running after {timeout_s} s"
+    return out[0]
+
+
+def test_a_catastrophic_name_pattern_cannot_freeze_the_host() -> None:
+    """``^(\\w+\\.?)+\\.$`` backtracks exponentially in Python's re on a long name (and holds the GIL)."""
+    weights = {("a" * 40) + str(i): torch.zeros(1) for i in range(3)}  # re would need ~2^40 steps per name
+    agent = Agent(lambda: weights, role="engine", rank=0)
+    r = _in_thread(lambda: _request(agent.app, "GET", "/v1/digests", params={"name": r"^(\w+\.?)+\.$"}))
+    assert r.status_code == 200 and r.json() == {"rows": []}
+    hit = _request(agent.app, "GET", "/v1/digests", params={"name": r"^a+\d$"}).json()["rows"]
+    assert len(hit) == 3
+
+
+@pytest.mark.parametrize(
+    ("pattern", "why"),
+    [(r"(a)\1", "invalid escape"), (r"(?=a)", "missing argument to repetition operator|invalid perl operator"),
+     ("([", "missing ]"), ("a" * 513, "the limit is 512")],
+)  # fmt: skip
+def test_name_patterns_that_could_backtrack_or_are_too_long_are_400(pattern: str, why: str) -> None:
+    agent = Agent(_weights, role="engine", rank=0)
+    r = _request(agent.app, "GET", "/v1/digests", params={"name": pattern})
+    assert r.status_code == 400 and re.search(why, r.json()["error"]), r.json()
+
+
+def test_a_served_agent_answers_only_its_own_host_names() -> None:
+    """DNS rebinding: a web page reaches the agent under the attacker's name; the Host header gives it away."""
+    with Agent(_weights, role="engine", rank=0, allowed_hosts=["node7.cluster"]) as agent:
+        assert agent.url is not None
+        port = agent.url.rsplit(":", 1)[1]
+        for host in ("evil.example.com", f"evil.example.com:{port}", "127.0.0.1.evil.example", "", "[::1"):
+            r = httpx.get(f"{agent.url}/v1/info", headers={"Host": host}, timeout=5)
+            assert r.status_code == 421 and "not served here" in r.json()["error"], host
+            assert httpx.get(f"{agent.url}/v1/digests", headers={"Host": host}, timeout=5).status_code == 421
+        for host in (f"127.0.0.1:{port}", f"localhost:{port}", "LOCALHOST", "node7.cluster", f"node7.cluster:{port}"):
+            assert httpx.get(f"{agent.url}/v1/info", headers={"Host": host}, timeout=5).status_code == 200, host
+    with pytest.raises(TypeError, match="not one string"):
+        Agent(_weights, role="engine", rank=0, allowed_hosts="node7")  # type: ignore[arg-type]
+
+
+def test_clients_that_never_finish_their_headers_cannot_lock_out_a_real_one() -> None:
+    with Agent(_weights, role="engine", rank=0, max_connections=16, header_timeout_s=1.0) as agent:
+        assert agent.url is not None and agent._server is not None
+        port = int(agent.url.rsplit(":", 1)[1])
+        slow = []
+        try:
+            for _ in range(300):
+                s = socket.create_connection(("127.0.0.1", port), timeout=5)
+                s.sendall(b"GET /v1/info HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # and never the blank line
+                slow.append(s)
+            r = httpx.get(f"{agent.url}/v1/info", timeout=10)
+            assert r.status_code == 200 and r.json()["rank"] == 0
+            open_now = len(agent._server.server_state.connections)
+            assert open_now <= 16 + 1, f"{open_now} connections held open"
+            deadline = time.monotonic() + 30  # the header deadline closes what is left
+            while agent._server.server_state.connections and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert not agent._server.server_state.connections
+        finally:
+            for s in slow:
+                s.close()
+        assert httpx.get(f"{agent.url}/v1/info", timeout=10).status_code == 200
+
+
+# ---- an empty rank is no pass ----------------------------------------------------------------
+
+
+def test_a_rank_holding_nothing_makes_the_fetch_incomplete_and_is_named() -> None:
+    full, empty = Agent(_weights, role="engine", rank=0, tp=0), Agent(dict, role="engine", rank=1, tp=1)
+    with full, empty:
+        assert full.url is not None and empty.url is not None
+        result = fetch([full.url, empty.url], timeout_s=5)
+        assert not result.complete and result.answered == 2
+        assert result.failed[["url", "kind", "rank", "tp"]].values.tolist() == [[empty.url, "empty", 1, 1]]
+        assert "1 empty" in result.summary and empty.url in result.summary and "holds no parameters" in result.summary
+        assert set(result.frame["rank"]) == {0}
+        # a name filter that matches nothing on a rank that holds weights is not an empty rank
+        filtered = fetch([full.url], name="^nothing-matches$", timeout_s=5)
+        assert filtered.complete and len(filtered.frame) == 0
+
+
+def test_one_element_strided_views_are_served_like_their_copies() -> None:
+    w = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    held = {"a": w[::2][:1], "b": w.t()[:1, :1], "c": w.reshape(-1)[::3][2:3]}
+    agent = Agent(lambda: held, role="engine", rank=0)
+    r = _request(agent.app, "GET", "/v1/digests")
+    assert r.status_code == 200, r.text
+    got = {row["name"]: row["digest"] for row in r.json()["rows"]}
+    copies = from_named_tensors({n: t.clone() for n, t in held.items()}, progress=False)
+    assert got == dict(zip(copies["name"], copies["digest"]))

@@ -331,10 +331,10 @@ def test_without_a_process_group_it_is_a_gather_error():
         gather_frame(pd.DataFrame())
 
 
-def _payloads(frames: dict[int, pd.DataFrame]) -> list[dict[str, Any]]:
+def _payloads(frames: dict[int, pd.DataFrame], allow_empty: bool = False) -> list[dict[str, Any]]:
     from wcviz.sources._distributed import _payload
 
-    return [_payload(f, r) for r, f in frames.items()]
+    return [_payload(f, r, allow_empty) for r, f in frames.items()]
 
 
 def test_combine_orders_checks_and_fills():
@@ -342,14 +342,14 @@ def test_combine_orders_checks_and_fills():
     from wcviz.frame import make_frame
     from wcviz.sources._distributed import _combine
 
-    a = make_frame([{"name": "w", "digest": "aa", "algo": "sha256", "role": "engine", "rank": 5}])
+    a = make_frame([{"name": "w", "digest": "aa" * 32, "algo": "sha256", "role": "engine", "rank": 5}])
     b = make_frame(
         [
-            {"name": "w", "digest": "bb", "algo": "sha256", "role": "engine"},
-            {"name": "v", "digest": "cc", "algo": "sha256", "role": "engine"},
+            {"name": "w", "digest": "bb" * 32, "algo": "sha256", "role": "engine"},
+            {"name": "v", "digest": "cc" * 32, "algo": "sha256", "role": "engine"},
         ]
     )
-    t = make_frame([{"name": "w", "digest": "dd", "algo": "sha256", "role": "trainer", "rank": 0}])
+    t = make_frame([{"name": "w", "digest": "dd" * 32, "algo": "sha256", "role": "trainer", "rank": 0}])
     out = _combine(_payloads({0: a, 1: b, 2: t}), [0, 1, 2])
     assert out["rank"].tolist() == [1, 1, 5, 0] and out["role"].tolist() == ["engine", "engine", "engine", "trainer"]
     assert out["name"].tolist() == ["w", "v", "w", "w"]  # rank 1 (filled in) keeps its own row order
@@ -360,5 +360,10 @@ def test_combine_orders_checks_and_fills():
     # every bad frame is named, in group order
     with pytest.raises(TableError, match=r"rank 1's frame: .*; rank 3's frame: expected a pandas DataFrame"):
         _combine(_payloads({0: a, 1: a.drop(columns=["algo"]), 3: "nope"}), [0, 1, 3])  # type: ignore[dict-item]
-    assert len(_combine(_payloads({0: a.iloc[0:0], 1: a.iloc[0:0]}), [0, 1])) == 0
+    assert len(_combine(_payloads({0: a.iloc[0:0], 1: a.iloc[0:0]}, allow_empty=True), [0, 1])) == 0
+    # an empty rank is no pass: named, unless the caller says empty tables are expected
+    from wcviz._errors import GatherError
+
+    with pytest.raises(GatherError, match=r"rank 1 holds no parameters"):
+        _combine(_payloads({0: a, 1: a.iloc[0:0]}), [0, 1])
     assert pickle.loads(_payloads({0: a})[0]["frame"]).equals(a)

@@ -193,8 +193,11 @@ def test_endstate_finds_the_rank_whose_reload_skipped_a_weight() -> None:
     with serve(weights_checker_app(ranks)) as url:
         result = sglang_endstate(url, lambda: reload_all(ranks))
     v = result.verdicts
-    bad = v[v["status"] != "match"]
-    assert set(bad["status"]) == {"unwritten"} and set(zip(bad["pp"], bad["tp"])) == {(0, 1)}
+    # SGLang's reset writes random values: no reset digest proves a whole parameter was overwritten,
+    # so what reloads equal to its snapshot is "unproven", never "match"; the unwritten ones still stand out
+    assert "match" not in set(v["status"]) and set(v["status"]) == {"unwritten", "unproven"}
+    bad = v[v["status"] == "unwritten"]
+    assert set(zip(bad["pp"], bad["tp"])) == {(0, 1)}
     assert sorted(bad["name"]) == ["model.layers.0.mlp.down_proj.weight", "model.layers.1.mlp.down_proj.weight"]
     assert (v["algo"] == "sglang").all() and len(result.unreachable) == 0
     assert set(result.fetches) == {"snapshot", "reset", "reload"}
@@ -219,7 +222,7 @@ def test_endstate_rank_missing_after_reload_is_unreachable() -> None:
     assert state["reloaded"] and result.compare is None
     v = result.verdicts
     assert set(zip(v.loc[v["status"] == "unreachable", "pp"], v.loc[v["status"] == "unreachable", "tp"])) == {(1, 0)}
-    assert (v.loc[v["status"] != "unreachable", "status"] == "match").all()
+    assert (v.loc[v["status"] != "unreachable", "status"] == "unproven").all()  # random reset: nothing proven
     assert list(zip(result.unreachable["pp"], result.unreachable["tp"])) == [(1, 0)]
 
 

@@ -419,3 +419,17 @@ def test_importing_the_adapters_stays_cheap() -> None:
     code = "import sys, wcviz.integrations.vllm; print(sorted(m for m in ('torch', 'pandas', 'vllm') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_a_worker_that_released_its_weights_is_empty_not_a_pass() -> None:
+    """A sleeping or offloaded engine answers with no parameters: named, and the fetch is not complete."""
+    ws = workers()
+    ws[1].model_runner.model = torch.nn.Module()  # what a worker with released weights lists
+    llm = FakeLLM(ws)
+    res = from_vllm_llm(llm)
+    assert not res.complete and res.answered == 4
+    row = res.failed.iloc[0]
+    assert (row["kind"], int(row["rank"])) == ("empty", 1) and "no parameters" in row["error"]
+    assert "1 empty" in res.summary
+    filtered = from_vllm_llm(FakeLLM(workers()), name="^no-such-parameter$")
+    assert filtered.complete and len(filtered.frame) == 0  # a filter that matches nothing is not an empty rank

@@ -7,7 +7,8 @@ versioned under ``/v1/``):
 =====================  =====================================================================
 ``GET /v1/info``       role, rank, dp, pp, tp, ep, host, device, algo, params, mutations_allowed
 ``GET /v1/digests``    ``{"rows": [...]}`` in the :mod:`wcviz.frame` schema; ``?name=REGEX``
-                       keeps the parameters whose name matches (``re.search``)
+                       keeps the parameters whose name an RE2 pattern finds a match in
+                       (linear time, at most 512 characters: :mod:`wcviz._names`)
 ``POST /v1/snapshot``  run the ``snapshot`` callable; likewise ``/v1/reset`` and ``/v1/reload``
 =====================  =====================================================================
 
@@ -15,13 +16,31 @@ Mutating endpoints change what the rank holds, so they need two keys: the opt-in
 construction (``allow_mutations=True``, else 403) and ``Authorization: Bearer <token>``
 (else 401). Every error is a JSON ``{"error": ...}`` with a 4xx/5xx status; nothing a
 client sends can take down the hosting process or the server thread.
+
+Security model, for an agent that lives inside an engine or trainer process:
+
+- **Reads** (``info``, ``digests``) need no token: digests are not secrets, but they
+  cost the host CPU, so the name filter runs in bounded time (RE2, no backtracking:
+  Python's ``re`` would hold the GIL and freeze every thread of the host).
+- **Mutations** need the opt-in at construction *and* the bearer token.
+- **Host header**: once served, a request whose ``Host`` is not the bound address,
+  a loopback name (``localhost``, ``127.0.0.1``, ``::1``) or one of ``allowed_hosts``
+  gets 421: a web page cannot reach the agent through DNS rebinding. (When bound to
+  a wildcard address the machine's own host name and addresses are allowed too.)
+  ``agent.app`` called in-process (``httpx.ASGITransport``) has no network peer and
+  is not checked.
+- **Connections**: at most ``max_connections`` at once; a connection must finish its
+  request headers within ``header_timeout_s`` (and an idle keep-alive one is closed
+  after a few seconds). When the cap is reached, the connection that has waited longest
+  without sending a request is dropped for the new one, so clients that never finish
+  their headers cannot hold the host's file descriptors or lock real clients out.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hmac
-import re
+import ipaddress
 import socket
 import threading
 import time
@@ -34,16 +53,21 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from wcviz._names import NameFilterError, name_filter
 from wcviz.digest import ALGORITHMS, DEFAULT_ALGO
 
 if TYPE_CHECKING:
     import torch
     import uvicorn
 
-__all__ = ["Agent", "API_VERSION", "MUTATIONS"]
+__all__ = ["Agent", "API_VERSION", "MUTATIONS", "LOOPBACK_HOSTS"]
 
 API_VERSION = "v1"
 MUTATIONS = ("snapshot", "reset", "reload")
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
+MAX_CONNECTIONS = 64
+HEADER_TIMEOUT_S = 10.0
+IDLE_TIMEOUT_S = 5.0
 
 Holder = Callable[[], "Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]"]
 Endpoint = Callable[[Request], Awaitable[JSONResponse]]
@@ -82,6 +106,57 @@ def _guarded(fn: Endpoint) -> Endpoint:
             return _error(500, f"{type(e).__name__}: {e}")
 
     return endpoint
+
+
+def _host_of(value: str) -> str | None:
+    """The host part of a ``Host`` header (``name``, ``name:port``, ``[v6]:port``), lowercase; None if malformed."""
+    value = value.strip().lower()
+    if value.startswith("["):  # [v6] or [v6]:port
+        host, closed, rest = value[1:].partition("]")
+        port = rest.removeprefix(":")
+        if not host or not closed or (rest and not rest.startswith(":")) or (port and not port.isdigit()):
+            return None
+        return host
+    host, _, port = value.partition(":")
+    if port and not port.isdigit():
+        return None
+    return host.rstrip(".") or None
+
+
+class _HostGuard:
+    """ASGI middleware: refuse (421) a request whose ``Host`` is not one the agent serves.
+
+    ``hosts()`` returns the allowed host names, or None when the agent is not served
+    over the network (an in-process transport: nothing to rebind).
+    """
+
+    def __init__(self, app: Any, hosts: Callable[[], frozenset[str] | None]) -> None:
+        self.app = app
+        self.hosts = hosts
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        allowed = self.hosts() if scope["type"] in ("http", "websocket") else None
+        if allowed is not None:
+            raw = dict(scope.get("headers") or []).get(b"host", b"").decode("latin-1")
+            host = _host_of(raw)
+            if host is None or host not in allowed:
+                shown = raw if len(raw) <= 80 else raw[:77] + "..."
+                response = _error(421, f"Host {shown!r} is not served here (allowed: {', '.join(sorted(allowed))}); "
+                                       "start the agent with allowed_hosts=[...] to serve another name")  # fmt: skip
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _machine_names() -> set[str]:
+    """This machine's host name, FQDN and the addresses they resolve to (for an agent bound to a wildcard)."""
+    names = {socket.gethostname().lower(), socket.getfqdn().lower()}
+    for name in list(names):
+        try:
+            names |= {str(info[4][0]).lower() for info in socket.getaddrinfo(name, None)}
+        except OSError:
+            continue
+    return {n for n in names if n}
 
 
 async def _in_thread(fn: Callable[[], Any]) -> Any:
@@ -128,6 +203,9 @@ class Agent:
         reset: Callable[[], Any] | None = None,
         reload: Callable[[], Any] | None = None,
         lock: threading.Lock | threading.RLock | None = None,
+        allowed_hosts: Iterable[str] = (),
+        max_connections: int = MAX_CONNECTIONS,
+        header_timeout_s: float = HEADER_TIMEOUT_S,
     ) -> None:
         if not callable(holder):
             raise TypeError(f"holder must be a callable returning the rank's named tensors, got {type(holder).__name__}")
@@ -140,6 +218,13 @@ class Agent:
         for label, fn in (("snapshot", snapshot), ("reset", reset), ("reload", reload)):
             if fn is not None and not callable(fn):
                 raise TypeError(f"{label} must be callable or None, got {type(fn).__name__}")
+        if isinstance(allowed_hosts, str):
+            raise TypeError("allowed_hosts must be a list of host names, not one string")
+        extra = [_host_of(str(h)) for h in allowed_hosts]
+        if any(h is None for h in extra):
+            raise ValueError(f"allowed_hosts holds a name that is not a host: {list(allowed_hosts)!r}")
+        if int(max_connections) < 2 or header_timeout_s <= 0:
+            raise ValueError(f"max_connections must be >= 2 and header_timeout_s > 0, got {max_connections}, {header_timeout_s}")
         self.holder = holder
         self.role = role
         self.rank = int(rank)
@@ -155,6 +240,10 @@ class Agent:
         self._server: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
         self.url: str | None = None
+        self.allowed_hosts = frozenset(h for h in extra if h)
+        self.max_connections = int(max_connections)
+        self.header_timeout_s = float(header_timeout_s)
+        self._served_hosts: frozenset[str] | None = None  # set while served over the network
         self.app = self._make_app()
 
     # ---- the app -------------------------------------------------------------------------
@@ -175,7 +264,10 @@ class Agent:
                 return _error(404, f"no such endpoint {request.url.path}; see /{API_VERSION}/info")
             return _error(exc.status_code, str(exc.detail))
 
-        return Starlette(routes=routes, exception_handlers={HTTPException: http_error})
+        from starlette.middleware import Middleware
+
+        guard = Middleware(_HostGuard, hosts=lambda: self._served_hosts)
+        return Starlette(routes=routes, exception_handlers={HTTPException: http_error}, middleware=[guard])
 
     def _identity(self) -> dict[str, Any]:
         return {"role": self.role, "rank": self.rank, **self.coords, "host": self.host}
@@ -209,21 +301,18 @@ class Agent:
 
     async def _digests(self, request: Request) -> JSONResponse:
         _check_params(request, ("name",))
-        pattern = request.query_params.get("name")
-        regex = None
-        if pattern is not None:
-            try:
-                regex = re.compile(pattern)
-            except re.error as e:
-                raise _ClientError(400, f"bad name regex {pattern!r}: {e}") from None
+        try:
+            keep = name_filter(request.query_params.get("name"))
+        except NameFilterError as e:
+            raise _ClientError(400, str(e)) from None
 
         def digest() -> list[dict[str, Any]]:
             from wcviz.sources import from_named_tensors
 
             with self._lock:
                 items = self._named()
-                if regex is not None:
-                    items = [(n, t) for n, t in items if regex.search(n)]
+                if keep is not None:
+                    items = [(n, t) for n, t in items if keep(n)]
                 frame = from_named_tensors(items, algo=self.algo, progress=False, **self._identity())
             return [{k: _json_value(v) for k, v in rec.items()} for rec in frame.to_dict(orient="records")]
 
@@ -267,7 +356,13 @@ class Agent:
 
         if self._thread is not None:
             raise RuntimeError(f"agent already running at {self.url}")
-        config = uvicorn.Config(self.app, host=host, port=port, log_level="warning", lifespan="off")
+        from wcviz._serving import guarded_protocol
+
+        config = uvicorn.Config(
+            self.app, host=host, port=port, log_level="warning", lifespan="off",
+            http=guarded_protocol(self.max_connections, self.header_timeout_s),
+            timeout_keep_alive=int(IDLE_TIMEOUT_S),
+        )  # fmt: skip
         server = uvicorn.Server(config)
         failure: list[BaseException] = []
 
@@ -298,7 +393,19 @@ class Agent:
         shown = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
         self._server, self._thread = server, thread
         self.url = f"http://{shown}:{bound[1]}"
+        self._served_hosts = self._hosts_for(str(bound[0]), host)
         return self.url
+
+    def _hosts_for(self, bound: str, asked: str) -> frozenset[str]:
+        """What a ``Host`` header may name: the bound address, loopback names, the operator's names."""
+        names = {bound.lower(), str(asked).lower(), *LOOPBACK_HOSTS, *self.allowed_hosts}
+        try:
+            wildcard = ipaddress.ip_address(bound).is_unspecified
+        except ValueError:
+            wildcard = False
+        if wildcard:
+            names |= _machine_names()
+        return frozenset(n for n in names if n)
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Shut the server down and join its thread; safe to call twice."""
@@ -314,6 +421,7 @@ class Agent:
                 raise RuntimeError(f"agent at {self.url} did not stop within {2 * timeout_s} s")
         self._server = self._thread = None
         self.url = None
+        self._served_hosts = None
 
     @property
     def running(self) -> bool:

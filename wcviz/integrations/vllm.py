@@ -60,11 +60,12 @@ from __future__ import annotations
 
 import operator
 import os
-import re
 import socket
 import sys
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
+
+from wcviz._names import name_filter
 
 if TYPE_CHECKING:
     import torch
@@ -226,14 +227,15 @@ class WcvizWorkerExtension:
 
     def wcviz_digests(self, name_regex: str | None = None, algo: str = "nemo-rl-v3", phase: str = "current") -> dict[str, Any]:
         """``{"info": ..., "rows": [...]}``: digests of the live parameters whose name matches
-        ``name_regex`` (``re.search``; all when None), or ``{"info": ..., "error": ...}``."""
+        ``name_regex`` (an RE2 search, :func:`wcviz._names.name_filter`; all when None), or
+        ``{"info": ..., "error": ...}``."""
         info: dict[str, Any] = {}
         try:
             named = self._wcviz_named()
             info = self._wcviz_info(named)
-            if name_regex is not None:
-                regex = re.compile(name_regex)
-                named = [(n, t) for n, t in named if regex.search(n)]
+            keep = name_filter(name_regex)  # RE2: linear time, whatever the request carries
+            if keep is not None:
+                named = [(n, t) for n, t in named if keep(n)]
             from wcviz.sources import from_named_tensors
 
             ident = {k: info[k] for k in ("role", "rank", "dp", "pp", "tp", "ep", "host")}  # no world_size: not a column

@@ -88,12 +88,12 @@ class _Rank(abc.ABC):
         return {"role": self.spec.role, "rank": self.spec.rank, **self.coords, "host": self.spec.host}
 
     def digests(self, phase: str | None = None, name: str | None = None) -> pd.DataFrame:
-        import re
-
+        from wcviz._names import name_filter
         from wcviz.sources import from_named_tensors
 
+        keep = name_filter(name)
         with self.lock:
-            items = [(n, t) for n, t in self.named().items() if name is None or re.search(name, n)]
+            items = [(n, t) for n, t in self.named().items() if keep is None or keep(n)]
             return from_named_tensors(items, algo=self.spec.algo, progress=False, phase=phase, **self.identity())
 
     def start_agent(self, **actions: Any) -> str | None:

@@ -188,10 +188,17 @@ def _marker(rank: int, message: str, error: BaseException) -> dict[str, Any]:
     return {"rank": rank, "kind": type(error).__name__, "error": message, "exception": error}
 
 
-def _payload(frame: Any, rank: int) -> dict[str, Any]:
-    """This member's frame, validated, ``rank`` filled where NA and pickled; or a marker saying why not."""
+def _payload(frame: Any, rank: int, allow_empty: bool = False) -> dict[str, Any]:
+    """This member's frame, validated, ``rank`` filled where NA and pickled; or a marker saying why not
+    (an empty frame too, unless ``allow_empty``: a rank holding nothing is no pass)."""
     try:
         checked = validate(frame, source=f"rank {rank}'s frame")
+        if not len(checked) and not allow_empty:
+            message = (
+                f"rank {rank} holds no parameters (an empty table): weights released or offloaded, or a mis-wired "
+                "holder; pass allow_empty=True where that is expected"
+            )
+            return _marker(rank, message, GatherError(message))
         checked["rank"] = checked["rank"].fillna(rank)
         return {"rank": rank, "frame": pickle.dumps(checked, protocol=pickle.HIGHEST_PROTOCOL)}
     except TableError as e:
@@ -261,6 +268,7 @@ def gather_frame(
     group: ProcessGroup | None = None,
     dst: int = 0,
     timeout_s: float | timedelta | None = None,
+    allow_empty: bool = False,
 ) -> pd.DataFrame | None:
     """Gather every member's digest table to ``dst``: the combined table there, ``None`` on the others.
 
@@ -271,10 +279,12 @@ def gather_frame(
     the group's timeout. A frame's ``rank`` is kept; where it is NA the member's
     global rank is filled in. See the module docstring for the order, the
     duplicate check and the errors, which every member raises alike: a bad frame
-    on one rank makes every rank raise :class:`~wcviz.TableError` naming it.
+    on one rank makes every rank raise :class:`~wcviz.TableError` naming it. A member
+    whose frame has no rows makes every rank raise :class:`GatherError` naming it,
+    unless it passes ``allow_empty=True``.
     """
     member = _Member(group, dst, timeout_s)
-    return member.exchange(_payload(frame, member.rank))
+    return member.exchange(_payload(frame, member.rank, allow_empty))
 
 
 def from_distributed(
@@ -294,6 +304,7 @@ def from_distributed(
     phase: str | None = None,
     step: int | None = None,
     timeout_s: float | timedelta | None = None,
+    allow_empty: bool = False,
 ) -> pd.DataFrame | None:
     """Digest this rank's tensors and gather every member's table to ``dst`` (see :func:`gather_frame`).
 
@@ -320,5 +331,5 @@ def from_distributed(
     except Exception as e:  # noqa: BLE001 -- reported on every rank, raised here too after the gather
         payload = _marker(me, f"rank {me} could not digest its tensors: {type(e).__name__}: {e}", e)
     else:
-        payload = _payload(frame, me)
+        payload = _payload(frame, me, allow_empty)
     return member.exchange(payload)

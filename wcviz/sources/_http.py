@@ -9,6 +9,10 @@ ranks go to a separate :attr:`FetchResult.failed` frame instead (one row per URL
 kind, error and whatever identity is known), and :attr:`FetchResult.complete` and
 :attr:`FetchResult.summary` account for them. Every URL given ends up in exactly one
 of the two frames; none is dropped.
+
+A rank that answers with no parameters at all (an engine that released or offloaded
+its weights, a holder wired to the wrong object) is no pass either: it is a
+``failed`` row of kind ``empty``, and the fetch is not complete.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import httpx
 import pandas as pd
 
 from wcviz._errors import TableError
+from wcviz._names import name_filter
 from wcviz.frame import IDENTITY, make_frame, validate
 
 __all__ = ["FAILED_COLUMNS", "ActionResult", "FetchResult", "act", "act_agents", "fetch", "fetch_agents"]
@@ -39,14 +44,42 @@ class _Failed(Exception):
     """An answer that is an error or not a valid digest table."""
 
 
+class _NotRun(Exception):
+    """Mixed in where the request certainly did not run its action (refused, or never delivered)."""
+
+
+class _Refused(_Failed, _NotRun):
+    """A 4xx answer to a mutation: the agent refused it before running anything."""
+
+
+class _NotDelivered(_Unreachable, _NotRun):
+    """The connection was refused: the request never reached the agent."""
+
+
+class _Empty(_Failed):
+    """An answer with no parameters at all: the rank holds nothing to check."""
+
+
+def empty_reason(info: Mapping[str, Any] | None, rows: int, filtered: bool) -> str | None:
+    """Why a rank that answered counts as empty (its info counts no parameters, or it gave no rows
+    unfiltered), or None. A name filter that matches nothing on a rank is not an empty rank."""
+    params = info.get("params") if isinstance(info, Mapping) else None
+    if isinstance(params, int) and not isinstance(params, bool) and params == 0:
+        return "holds no parameters (its info counts 0): weights released or offloaded, or a mis-wired holder"
+    if not filtered and rows == 0:
+        return "answered with no parameters: weights released or offloaded, or a mis-wired holder"
+    return None
+
+
 @dataclass
 class FetchResult:
     """What a fetch collected: the rows of the ranks that answered, and the ranks that did not.
 
     ``frame`` is schema-valid (:func:`wcviz.frame.validate`) with an extra ``url`` column;
-    ``failed`` has :data:`FAILED_COLUMNS` with ``kind`` ``unreachable`` (no HTTP answer)
-    or ``failed`` (an error answer or a table that does not hold up); ``errors`` maps
-    those URLs to their message; ``infos`` maps each answering URL to its ``/v1/info``.
+    ``failed`` has :data:`FAILED_COLUMNS` with ``kind`` ``unreachable`` (no HTTP answer),
+    ``failed`` (an error answer or a table that does not hold up) or ``empty`` (it
+    answered, holding no parameters); ``errors`` maps those URLs to their message;
+    ``infos`` maps each answering URL to its ``/v1/info``.
     """
 
     urls: tuple[str, ...]
@@ -57,8 +90,9 @@ class FetchResult:
 
     @property
     def answered(self) -> int:
-        """How many ranks were collected."""
-        return len(self.urls) - len(self.errors)
+        """How many ranks answered with a digest table (an empty one included)."""
+        silent = int((self.failed["kind"] != "empty").sum()) if len(self.failed) else 0
+        return len(self.urls) - silent
 
     @property
     def complete(self) -> bool:
@@ -69,7 +103,7 @@ class FetchResult:
     def summary(self) -> str:
         """One line: ``3 of 4 ranks answered; 1 unreachable: URL (why)``."""
         parts = [f"{self.answered} of {len(self.urls)} ranks answered"]
-        for kind in ("unreachable", "failed"):
+        for kind in ("unreachable", "failed", "empty"):
             rows = self.failed[self.failed["kind"] == kind]
             if len(rows):
                 listed = ", ".join(f"{r.url} ({r.error})" for r in rows.itertuples())
@@ -162,6 +196,8 @@ async def _fetch_one(
         raise _Failed(f"/v1/digests is not a digest table: {e}") from None
     if name is None and isinstance(info.get("params"), int) and len(frame) != info["params"]:
         raise _Failed(f"/v1/info counts {info['params']} parameters but /v1/digests gave {len(frame)} rows")
+    if (why := empty_reason(info, len(frame), name is not None)) is not None:
+        raise _Empty(why)
     for k in _KEY:
         want = ident[k]
         col = frame[k]
@@ -175,12 +211,24 @@ async def _fetch_one(
 Targets = Sequence[str] | str | Mapping[str, Mapping[str, Any]]
 
 
+def _checked_url(url: Any) -> str:
+    """``url`` without a trailing slash, once it is an ``http(s)://host[:port]`` address; else a ValueError naming it."""
+    text = str(url).strip().rstrip("/")
+    try:
+        parsed = httpx.URL(text)
+    except (httpx.InvalidURL, TypeError, ValueError) as e:
+        raise ValueError(f"{str(url)[:200]!r} is not a URL ({e})") from None
+    if parsed.scheme not in ("http", "https") or not parsed.host:
+        raise ValueError(f"{str(url)[:200]!r} is not an agent URL: expected http://host:port (or https://)")
+    return text
+
+
 def _normalize(urls: Targets) -> tuple[tuple[str, ...], list[dict[str, Any]]]:
     """The URLs, and the identity expected at each (empty when only URLs are given)."""
     if isinstance(urls, str):
         urls = [urls]
     pairs = list(urls.items()) if isinstance(urls, Mapping) else [(u, {}) for u in urls]
-    out = tuple(str(u).rstrip("/") for u, _ in pairs)
+    out = tuple(_checked_url(u) for u, _ in pairs)
     seen: set[str] = set()
     for u in out:
         if u in seen:
@@ -222,6 +270,7 @@ async def fetch_agents(
         raise ValueError("retries must be >= 0 and timeout_s > 0")
     if client is not None and transport is not None:
         raise ValueError("give client or transport, not both")
+    name_filter(name)  # a bad pattern is the caller's error, named here, not one failure per rank
     targets, knowns = _normalize(urls)
     own = client is None
     http = client if client is not None else httpx.AsyncClient(transport=transport, timeout=timeout_s)
@@ -239,7 +288,7 @@ async def fetch_agents(
         if isinstance(outcome, BaseException):
             if not isinstance(outcome, Exception):  # cancellation, KeyboardInterrupt: not ours to swallow
                 raise outcome
-            kind = "unreachable" if isinstance(outcome, _Unreachable) else "failed"
+            kind = "unreachable" if isinstance(outcome, _Unreachable) else "empty" if isinstance(outcome, _Empty) else "failed"
             message = str(outcome) if isinstance(outcome, (_Unreachable, _Failed)) else _short(outcome)
             failed.append({"url": url, "kind": kind, "error": message, **known})
         else:
@@ -301,13 +350,19 @@ def fetch(urls: Targets, **kwargs: Any) -> FetchResult:
 
 @dataclass
 class ActionResult:
-    """What one POST to many agents did: each URL's answer body, or its error."""
+    """What one POST to many agents did: each URL's answer body, or its error.
+
+    ``unreachable``: the URLs that gave no HTTP answer. ``not_run``: the URLs where
+    the action certainly did not run (the agent refused it with a 4xx, or the
+    connection was refused): a reset there poisoned nothing.
+    """
 
     action: str
     urls: tuple[str, ...]
     answers: dict[str, dict[str, Any]] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)
     unreachable: set[str] = field(default_factory=set)
+    not_run: set[str] = field(default_factory=set)
 
     @property
     def complete(self) -> bool:
@@ -327,8 +382,12 @@ async def _post(client: httpx.AsyncClient, url: str, action: str, token: str | N
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     try:
         resp = await asyncio.wait_for(client.post(f"{url}/v1/{action}", headers=headers, timeout=timeout_s), timeout_s)
+    except httpx.ConnectError as e:
+        raise _NotDelivered(_short(e)) from None
     except (httpx.TransportError, asyncio.TimeoutError) as e:
         raise _Unreachable(_short(e) if not isinstance(e, asyncio.TimeoutError) else f"timed out after {timeout_s} s") from None
+    if 400 <= resp.status_code < 500:
+        raise _Refused(f"HTTP {resp.status_code}: {_message(resp)}")
     if resp.status_code != 200:
         raise _Failed(f"HTTP {resp.status_code}: {_message(resp)}")
     try:
@@ -374,6 +433,8 @@ async def act_agents(
             result.errors[url] = str(outcome) if isinstance(outcome, (_Unreachable, _Failed)) else _short(outcome)
             if isinstance(outcome, _Unreachable):
                 result.unreachable.add(url)
+            if isinstance(outcome, _NotRun):
+                result.not_run.add(url)
         else:
             result.answers[url] = outcome
     return result

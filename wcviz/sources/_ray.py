@@ -201,4 +201,4 @@ def from_ray_actors(
             collected.append((label, ident, info, _rows_frame(rows, ident, label, method)))
         except _Failed as e:
             failed.append({"url": label, "kind": kind if kind != "ok" else "failed", "error": str(e), **ident})
-    return _assemble(collected, failed)
+    return _assemble(collected, failed, filtered=any(k in kwargs for k in ("name", "name_regex")))

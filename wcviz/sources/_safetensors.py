@@ -49,6 +49,8 @@ DTYPES: dict[str, str] = {
     "F8_E8M0": "float8_e8m0fnu",
 }
 _MAX_HEADER = 100 * 1024 * 1024  # the format's own limit
+MAX_DIMS = 64  # no real tensor has more; a header that claims 100,000 is refused, not digested
+_MAX_DIM = (1 << 63) - 1  # a dimension must fit int64, as in PyTorch and in the digest's metadata
 
 
 @dataclass(frozen=True)
@@ -82,6 +84,8 @@ def read_header(path: str | Path) -> list[TensorEntry]:
         header = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{path}: header is not valid JSON ({e}): corrupt or not safetensors") from None
+    except RecursionError:
+        raise CheckpointError(f"{path}: header nests JSON too deeply to be a safetensors header") from None
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: header is a JSON {type(header).__name__}, not an object")
     data_start = 8 + hlen
@@ -99,13 +103,18 @@ def _entry(path: Path, name: str, spec: Any, data_start: int, data_size: int) ->
     if not isinstance(spec, dict) or not {"dtype", "shape", "data_offsets"} <= set(spec):
         raise CheckpointError(f"{where}: header entry needs dtype, shape and data_offsets, got {spec!r:.120}")
     code = spec["dtype"]
-    if code not in DTYPES:
-        raise CheckpointError(f"{where}: unknown dtype {code!r}; wcviz reads {', '.join(DTYPES)}")
+    if not isinstance(code, str) or code not in DTYPES:
+        shown = repr(code) if isinstance(code, str) else f"{str(code)[:60]} (a JSON {type(code).__name__})"
+        raise CheckpointError(f"{where}: unknown dtype {shown}; wcviz reads {', '.join(DTYPES)}")
     shape, offsets = spec["shape"], spec["data_offsets"]
     if not (isinstance(shape, list) and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)):
-        raise CheckpointError(f"{where}: shape {shape!r} is not a list of non-negative ints")
+        raise CheckpointError(f"{where}: shape {str(shape)[:120]} is not a list of non-negative ints")
+    if len(shape) > MAX_DIMS:
+        raise CheckpointError(f"{where}: shape has {len(shape):,} dimensions; a tensor has at most {MAX_DIMS}")
+    if any(d > _MAX_DIM for d in shape):
+        raise CheckpointError(f"{where}: shape dimension {max(shape)} does not fit in int64 (at most {_MAX_DIM})")
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)):
-        raise CheckpointError(f"{where}: data_offsets {offsets!r} is not [begin, end]")
+        raise CheckpointError(f"{where}: data_offsets {str(offsets)[:120]} is not [begin, end]")
     begin, end = offsets
     try:
         itemsize = parse_dtype(DTYPES[code]).itemsize
@@ -167,6 +176,8 @@ def _weight_map(index: Path) -> dict[str, str]:
         data = json.loads(index.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{index}: not a readable index ({e})") from None
+    except RecursionError:
+        raise CheckpointError(f"{index}: not a readable index (its JSON nests too deeply)") from None
     wm = data.get("weight_map") if isinstance(data, dict) else None
     if not isinstance(wm, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in wm.items()):
         raise CheckpointError(f"{index}: has no weight_map of tensor name -> file name")

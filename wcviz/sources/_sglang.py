@@ -31,6 +31,7 @@ from typing import Any
 import httpx
 import pandas as pd
 
+from wcviz._names import name_filter
 from wcviz.endstate import EngineLeftPoisoned, classify
 from wcviz.endstate import summary as endstate_summary
 from wcviz.frame import IDENTITY
@@ -124,7 +125,7 @@ def _parallel_identity(result: Any) -> dict[str, Any]:
     return ident
 
 
-def _checksum_rows(result: dict[str, Any], ident: Mapping[str, Any], phase: str, regex: re.Pattern[str] | None) -> list[dict[str, Any]]:
+def _checksum_rows(result: dict[str, Any], ident: Mapping[str, Any], phase: str, regex: Callable[[str], bool] | None) -> list[dict[str, Any]]:
     sums = result.get("checksums")
     if not isinstance(sums, dict):
         raise _Failed(f"no checksums in this rank's result: {str(result)[:200]}")
@@ -134,7 +135,7 @@ def _checksum_rows(result: dict[str, Any], ident: Mapping[str, Any], phase: str,
             value = format(value, "x")
         if not isinstance(value, str) or not _HEX.match(value):
             raise _Failed(f"checksum of {name!r} is not hex: {value!r}")
-        if regex is None or regex.search(str(name)):
+        if regex is None or regex(str(name)):
             rows.append({"name": str(name), "digest": value.lower(), "algo": SGLANG_ALGO, "phase": phase, **ident})
     return rows
 
@@ -156,7 +157,7 @@ def from_sglang(
     is reported (see :class:`FetchResult`): a rank whose result is malformed or says
     ``success: false`` has a row in ``failed`` with the identity its ``parallelism_info`` gives.
     """
-    regex = re.compile(name) if name is not None else None
+    regex = name_filter(name)
     base = str(base_url).rstrip("/")
     try:
         results = _per_rank(sglang_request(base, "checksum", client=client, transport=transport, timeout_s=timeout_s), "checksum")
@@ -177,7 +178,7 @@ def from_sglang(
             collected.append((label, ident, dict(result["parallelism_info"]), _rows_frame(rows, ident, label, "checksum")))
         except _Failed as e:
             failed.append({"url": label, "kind": "failed", "error": str(e), **ident})
-    return _assemble(collected, failed)
+    return _assemble(collected, failed, filtered=name is not None)
 
 
 def sglang_action(
@@ -280,6 +281,9 @@ def sglang_endstate(
     snapshot, checksum (phase ``snapshot``); reset_tensors, checksum (``reset``);
     ``reload()`` - the caller's weight update, e.g. the trainer sending its weights
     again - then checksum (``reload``); and, if ``compare``, SGLang's own ``compare``.
+    SGLang's ``reset_tensors`` writes random values, so no reset digest can prove that
+    it overwrote a whole parameter: a parameter whose reload equals its snapshot is
+    ``unproven``, never ``match`` (``unwritten`` and ``corrupted`` still stand).
     A rank that failed or went missing in any phase is ``unreachable`` in the verdicts.
     As :func:`wcviz.endstate.run_check` does, the reload runs even when the reset
     failed, so the engine is restored before the error is raised; a failed reload raises
@@ -318,7 +322,7 @@ def sglang_endstate(
     dead = _dead_ranks(fetches)
     verdicts = classify(
         fetches["snapshot"].frame, fetches["reset"].frame, fetches["reload"].frame,
-        allow_partial_reset=allow_partial_reset, unreachable=dead,
+        allow_partial_reset=allow_partial_reset, reset_pattern="unknown", unreachable=dead,
     )  # fmt: skip
     return SglangEndstate(verdicts=verdicts, fetches=fetches, compare=compared, unreachable=dead)
 

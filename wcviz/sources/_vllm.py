@@ -34,7 +34,7 @@ import pandas as pd
 from wcviz._errors import TableError, WcvizError
 from wcviz.digest import DEFAULT_ALGO
 from wcviz.frame import IDENTITY, make_frame, validate
-from wcviz.sources._http import _KEY, FAILED_COLUMNS, FetchResult, _Failed, _message, _short
+from wcviz.sources._http import _KEY, FAILED_COLUMNS, FetchResult, _Failed, _message, _short, empty_reason
 
 __all__ = ["EngineEndpointError", "from_vllm_http", "from_vllm_llm", "vllm_collective_rpc"]
 
@@ -111,11 +111,23 @@ def _sortable(key: tuple[Any, ...]) -> tuple[Any, ...]:
 def _assemble(
     collected: Sequence[tuple[str, dict[str, Any], dict[str, Any], pd.DataFrame]],
     failed: Sequence[dict[str, Any]],
+    *,
+    filtered: bool = False,
 ) -> FetchResult:
     """A :class:`FetchResult` from ``(label, identity, info, frame)`` of the ranks collected and
     failure rows (``url``, ``kind``, ``error`` and the identity known); two claims of one rank
-    fail both. Labels given twice get `` #1``, `` #2``, so each names one target."""
+    fail both, and a rank with no parameters is ``empty`` (``filtered``: the rows were filtered
+    by name, so no rows alone does not make a rank empty). Labels given twice get `` #1``,
+    `` #2``, so each names one target."""
     failures = [dict(f) for f in failed]
+    kept_collected = []
+    for label, ident, info, frame in collected:
+        why = empty_reason(info, len(frame), filtered)
+        if why is None:
+            kept_collected.append((label, ident, info, frame))
+        else:
+            failures.append({"url": label, "kind": "empty", "error": why, **ident})
+    collected = kept_collected
     kept: list[tuple[str, dict[str, Any], pd.DataFrame]] = []
     by_key: dict[tuple[Any, ...], list[tuple[str, dict[str, Any], dict[str, Any], pd.DataFrame]]] = {}
     for item in collected:
@@ -325,7 +337,7 @@ def _collect(call: Call, where: str, kwargs: dict[str, str], name: str | None) -
         if _key(ident) not in answered:
             failed.append({"url": _rank_label(where, ident), "kind": "failed", "error": "gave wcviz_info but no wcviz_digests result", **ident})
     failed += _never_reached(where, infos, known)
-    return _assemble(collected, failed)
+    return _assemble(collected, failed, filtered=name is not None)
 
 
 def _never_reached(where: str, infos: list[Any], known: list[dict[str, Any]]) -> list[dict[str, Any]]:
