@@ -18,7 +18,7 @@ import torch
 from wcviz.agent import Agent
 from wcviz.check import check_agents
 from wcviz.cli import main as cli
-from wcviz.endstate import ResetNotCovered, poison_
+from wcviz.endstate import EngineLeftPoisoned, ResetNotCovered, poison_
 
 TOKEN = "s3cret"
 
@@ -116,7 +116,7 @@ def test_a_rank_that_never_answers_is_unreachable_not_missing(ranks: list[Rank])
     assert int(ghost["tp"].iloc[0]) == 2
     assert set(v.loc[v["rank"] != 2, "status"]) == {"match"}
     assert set(report.problems["url"]) == {dead} and not report.ok
-    assert "end-state check: 3 ranks, 8 parameters: 1 rank unreachable (rank 2 (pp=0 tp=2)), 8 match" in report.summary()
+    assert "end-state check: 3 ranks, 8 parameters: 1 rank unreachable (rank 2 (pp=0 tp=2): did not answer), 8 match" in report.summary()
 
 
 def test_wrong_token_is_a_problem_on_every_rank_not_a_pass(ranks: list[Rank]) -> None:
@@ -170,3 +170,70 @@ def test_check_runs_inside_a_running_event_loop(ranks: list[Rank]) -> None:
         return check_agents(_urls(ranks), token=TOKEN)
 
     assert asyncio.run(in_kernel()).ok
+
+
+# --------------------------------------------------------------------------- every way out names the poisoned ranks first
+
+
+def _restored(ranks: list[Rank]) -> bool:
+    return all(torch.equal(r.params[n], r.truth[n]) for r in ranks for n in r.truth)
+
+
+def test_a_void_check_with_a_failed_reload_names_the_poisoned_rank_first(ranks: list[Rank]) -> None:
+    ranks[0].ignore_reset = True  # rank 0's reset changes nothing: the check is void...
+    ranks[1].fail_reload = True  # ...and rank 1 is left poisoned
+    with pytest.raises(ResetNotCovered) as info:
+        check_agents(_urls(ranks), token=TOKEN)
+    message = str(info.value)
+    assert message.startswith("RELOAD FAILED on engine 1 (pp=0 tp=1): still poisoned"), message
+    assert "void" in message and info.value.poisoned == ("engine 1 (pp=0 tp=1)",)
+    assert (ranks[1].params["model.norm.weight"].view(torch.uint8) == 0xA5).all()
+
+
+def test_a_before_reload_hook_that_raises_still_reloads_every_rank(ranks: list[Rank]) -> None:
+    def boom() -> None:
+        raise RuntimeError("fault injection failed")
+
+    with pytest.raises(RuntimeError, match="fault injection failed"):
+        check_agents(_urls(ranks), token=TOKEN, before_reload=boom)
+    assert _restored(ranks)  # the reload ran although the hook failed
+    ranks[1].fail_reload = True
+    with pytest.raises(EngineLeftPoisoned) as info:
+        check_agents(_urls(ranks), token=TOKEN, before_reload=boom)
+    message = str(info.value)
+    assert message.startswith("RELOAD FAILED on engine 1 (pp=0 tp=1): still poisoned"), message
+    assert "fault injection failed" in message and isinstance(info.value.__cause__, RuntimeError)
+    assert torch.equal(ranks[0].params["model.norm.weight"], ranks[0].truth["model.norm.weight"])
+
+
+def test_a_rank_that_dies_after_its_reset_keeps_its_coordinates(ranks: list[Rank], capsys: pytest.CaptureFixture[str]) -> None:
+    """`wcviz endstate URL URL`: identities come from /v1/info, and a rank that dies later is still that rank."""
+    import threading
+
+    dying = ranks[1]
+    plain_reset = dying.reset
+
+    def reset_then_die() -> None:
+        plain_reset()
+        threading.Thread(target=dying.agent.stop, daemon=True).start()  # gone before the reload
+
+    dying.agent._actions["reset"] = reset_then_die
+    urls = [r.agent.url for r in ranks]
+    assert cli(["endstate", *urls, "--yes-reset", "--token", TOKEN, "--no-progress", "--timeout", "5"]) == 1
+    out = capsys.readouterr().out
+    assert "end-state check: 2 ranks," in out, out
+    assert "rank 1 (pp=0 tp=1)" in out and "no rank coordinates" not in out
+    assert "4 unreachable on 1 rank (rank 1 (pp=0 tp=1)), 4 match" in out, out
+    assert "RELOAD FAILED on engine 1 (pp=0 tp=1)" in out  # reset, then never reloaded
+
+
+def test_an_empty_rank_fails_the_check_by_name(ranks: list[Rank]) -> None:
+    hollow = Agent(dict, role="engine", rank=2, pp=0, tp=2, token=TOKEN, allow_mutations=True,
+                   snapshot=lambda: None, reset=lambda: None, reload=lambda: None)  # fmt: skip
+    with hollow:
+        urls = {**_urls(ranks), hollow.url: {"role": "engine", "rank": 2, "pp": 0, "tp": 2}}
+        report = check_agents(urls, token=TOKEN)
+    assert not report.ok
+    v = report.verdicts
+    assert v.loc[v["rank"] == 2, "status"].tolist() == ["empty"]
+    assert "1 rank empty (rank 2 (pp=0 tp=2): answered with no parameters)" in report.summary()

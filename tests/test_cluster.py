@@ -276,10 +276,19 @@ def test_dead_rank_is_unreachable_in_fetch_and_verdicts() -> None:
         v = report.verdicts
         assert set(v.loc[v["rank"] == 1, "status"]) == {"unreachable"} and v.loc[v["rank"] == 1, "name"].isna().all()
         assert set(v.loc[v["rank"] == 0, "status"]) == {"match"} and (v["rank"] == 0).sum() == 21
-        assert "2 ranks, 21 parameters: 1 rank unreachable (rank 1 (dp=0 pp=0 tp=1)), 21 match" in report.summary()
+        assert "2 ranks, 21 parameters: 1 rank unreachable (rank 1 (dp=0 pp=0 tp=1): did not answer), 21 match" in report.summary()
         assert not report.ok and set(report.problems["rank"]) == {1}
         with pytest.raises(ClusterError, match=r"engine rank 1 \(dp=0 pp=0 tp=1\) is dead"):
             c.refit()
+        # the update under test by refit, with a loader fault to inject: one dead rank must not leave the other
+        # poisoned (a refit needs every rank; the living one is reloaded from the trainer's checkpoint instead)
+        report = c.endstate(faults={0: LoaderFaults(), 1: LoaderFaults(skip="k_proj")}, timeout_s=2, retries=0)
+        v = report.verdicts
+        assert set(v.loc[v["rank"] == 0, "status"]) == {"match"} and (v["rank"] == 0).sum() == 21
+        assert v.loc[v["rank"] == 1, ["status", "dp", "pp", "tp"]].values.tolist() == [["unreachable", 0, 0, 1]]
+        assert not len(report.poisoned) and report.transport is None
+        assert any("is dead, so the reload could not be a refit" in n for n in report.notes)
+        assert "note: engine rank 1 (dp=0 pp=0 tp=1) is dead" in report.summary()
 
 
 DRIVER = textwrap.dedent(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 
 import pandas as pd
@@ -248,16 +249,17 @@ def test_allow_partial_reset_classifies_and_flags():
     name = "model.layers.1.input_layernorm.weight"
     snap, reset, reload = _reset_misses(Engine(), (1, 0), name)
     v = classify(snap, reset, reload, allow_partial_reset=True)
-    assert set(v["status"]) == {"match"}
-    flagged = v.loc[~v["reset_covered"], ["rank", "name"]].to_records(index=False).tolist()
-    assert flagged == [(2, name)]
+    assert set(v["status"]) == {"match", "unproven"}  # never "match": the reset proved nothing about it
+    flagged = v.loc[~v["reset_covered"], ["rank", "name", "status"]].to_records(index=False).tolist()
+    assert flagged == [(2, name, "unproven")]
+    assert v["status"].iloc[0] == "unproven"  # sorted before the matches
 
 
 def test_param_absent_after_reset_is_not_covered():
     e = Engine()
     snap, reset, reload = _phases(e)
     reset = reset[~((reset["rank"] == 1) & (reset["name"] == "model.layers.0.mlp.bias"))]
-    with pytest.raises(ResetNotCovered, match=r"model\.layers\.0\.mlp\.bias on rank 1 .*absent after reset"):
+    with pytest.raises(ResetNotCovered, match=r"1 absent after reset on 1 rank: model\.layers\.0\.mlp\.bias on rank 1 "):
         classify(snap, reset, reload)
 
 
@@ -266,7 +268,8 @@ def test_algorithm_mismatch():
     other = reload.assign(algo="sha256", digest=reload["digest"].str.pad(64, fillchar="0"))
     with pytest.raises(AlgorithmMismatch, match="sha256"):
         classify(snap, reset, other)
-    mixed = pd.concat([reset.iloc[:1].assign(algo="sha256"), reset.iloc[1:]], ignore_index=True)
+    first = reset.iloc[:1]
+    mixed = pd.concat([first.assign(algo="sha256", digest=first["digest"].str.pad(64, fillchar="0")), reset.iloc[1:]], ignore_index=True)
     with pytest.raises(AlgorithmMismatch, match="reset table mixes"):
         classify(snap, mixed, reload)
 
@@ -297,7 +300,9 @@ def test_summary_text():
         "(rank 1 (pp=0 tp=1), rank 3 (pp=1 tp=1)), 13 match"
     )
     assert summary(classify(*_phases(Engine()))) == "end-state check: 4 ranks, 16 parameters: 16 match"
-    assert tuple(ENDSTATE_STATUSES) == ("corrupted", "unwritten", "missing", "unreachable", "unexpected", "match")
+    assert tuple(ENDSTATE_STATUSES) == (
+        "corrupted", "unwritten", "missing", "empty", "unreachable", "unexpected", "unproven", "match"
+    )  # fmt: skip
 
 
 def test_summary_thousands_separator():
@@ -353,3 +358,123 @@ def test_run_check_uncovered_reset_reloads_before_raising():
     with pytest.raises(ResetNotCovered, match=r"model\.layers\.0\.mlp\.bias on rank 1"):
         run_check(e.snapshot, partial_reset, e.reload, e.digest)
     assert e.reloads == 1 and torch.equal(e.shards[(1, 1)]["model.layers.1.self_attn.q_proj.weight"], e.truth[(1, 1)]["model.layers.1.self_attn.q_proj.weight"])
+
+
+# --------------------------------------------------------------------------- coverage is proven, never assumed
+
+
+def test_fill_digest_equals_the_digest_of_a_filled_tensor():
+    from wcviz.digest import digest_hex
+    from wcviz.digest._fill import fill_digest
+    from wcviz.digest._spec import CHUNK
+
+    cases = [(torch.bfloat16, (3, 5)), (torch.float32, ()), (torch.bool, (7,)), (torch.float64, (0, 4)),
+             (torch.int16, (CHUNK * 4 + 3,)), (torch.uint8, (CHUNK * 16 - 3,)), (torch.uint8, (CHUNK * 8 + 8,)),
+             (torch.complex128, (3,)), (torch.float8_e4m3fn, (5, 5))]  # fmt: skip
+    for dtype, shape in cases:
+        for byte in (0xA5, 0x5A, 0x00):
+            t = torch.empty(shape, dtype=dtype)
+            flat = torch.view_as_real(t) if t.is_complex() else t
+            if t.numel():
+                flat.reshape(-1).view(torch.uint8).fill_(byte)
+            nbytes = t.numel() * t.element_size()
+            for algo in ("nemo-rl-v3", "sha256"):
+                assert fill_digest(algo, str(dtype), shape, nbytes, byte) == digest_hex(t, algo=algo), (dtype, shape, byte, algo)
+    with pytest.raises(ValueError, match="computable for"):
+        fill_digest("sglang", "float32", (1,), 4, 0)
+
+
+def _half_poisoned(name: str, coord: tuple[int, int]) -> tuple[Engine, Callable[[], None], Callable[[], None]]:
+    """A reset that poisons only the first half of ``name`` on ``coord``, and a loader that writes only that half:
+    the reload equals the snapshot, yet the second half was never written."""
+    e = Engine()
+
+    def half(t: torch.Tensor) -> torch.Tensor:
+        return t[: t.shape[0] // 2]
+
+    def reset() -> None:
+        for c, d in e.shards.items():
+            for n, t in d.items():
+                poison_({n: half(t) if (c, n) == (coord, name) else t})
+
+    def reload() -> None:
+        for c, d in e.shards.items():
+            for n, t in d.items():
+                (half(t) if (c, n) == (coord, name) else t).copy_(half(e.truth[c][n]) if (c, n) == (coord, name) else e.truth[c][n])
+
+    return e, reset, reload
+
+
+def test_a_partial_reset_voids_the_check_naming_the_parameter():
+    """A digest that *changed* is not coverage: only the digest of a fully poisoned tensor proves the reset."""
+    name = "model.layers.1.self_attn.q_proj.weight"
+    e, reset, reload = _half_poisoned(name, (1, 0))
+    snap = e.digest("snapshot")
+    reset()
+    rst = e.digest("reset")
+    reload()
+    rel = e.digest("reload")
+    cov = reset_coverage(snap, rst)
+    row = cov[(cov["name"] == name) & (cov["rank"] == 2)].iloc[0]
+    assert row["changed"] and not row["full"] and not row["covered"] and row["void"] and row["why"] == "only partly reset"
+    assert cov.loc[cov["name"] != name, "covered"].all()
+    with pytest.raises(ResetNotCovered, match=rf"1 only partly reset on 1 rank: {re.escape(name)} on rank 2 \(pp=1 tp=0\)"):
+        classify(snap, rst, rel)
+    v = classify(snap, rst, rel, allow_partial_reset=True)
+    bad = v[v["status"] != "match"]
+    assert bad[["rank", "name", "status"]].values.tolist() == [[2, name, "unproven"]]  # never "match"
+    assert "1 unproven on 1 rank (rank 2 (pp=1 tp=0))" in summary(v)
+
+
+def test_the_same_in_run_check():
+    name = "model.layers.0.mlp.down_proj.weight"
+    e, reset, reload = _half_poisoned(name, (0, 1))
+    with pytest.raises(ResetNotCovered, match=re.escape(name)):
+        run_check(e.snapshot, reset, reload, e.digest)
+
+
+def test_an_engines_zero_reset_is_judged_by_zeros():
+    """vLLM's own reset writes zeros: computable, so coverage is proven by it; a zero bias stays unproven."""
+    e = Engine()
+    snap = e.digest("snapshot")
+    for d in e.shards.values():
+        for t in d.values():
+            t.zero_()
+    rst = e.digest("reset")
+    e.reload()
+    rel = e.digest("reload")
+    with pytest.raises(ResetNotCovered, match="only partly reset"):
+        classify(snap, rst, rel)  # judged by the poison it is not
+    v = classify(snap, rst, rel, reset_pattern="zeros")
+    unproven = v[v["status"] == "unproven"]
+    assert set(unproven["name"].str.rsplit(".", n=1).str[0]) == {"model.layers.0.mlp", "model.layers.1.mlp"}
+    assert set(unproven["name"]) == {"model.layers.0.mlp.bias", "model.layers.1.mlp.bias"}  # all-zero: nothing to see
+    assert set(v["status"]) == {"match", "unproven"} and (v.loc[v["status"] == "match", "reset_covered"]).all()
+
+
+def test_a_random_reset_proves_nothing_so_matches_are_unproven():
+    """SGLang's reset writes random values: a changed digest is all there is, so nothing reaches "match"."""
+    e = Engine()
+    snap = e.digest("snapshot")
+    g = torch.Generator().manual_seed(3)
+    for d in e.shards.values():
+        for t in d.values():
+            t.copy_(torch.randn(t.shape, generator=g).to(t.dtype))
+    rst = e.digest("reset")
+    e.skip[(0, 0)] = {"model.layers.0.mlp.bias"}
+    e.reload()
+    v = classify(snap, rst, e.digest("reload"), reset_pattern="unknown")
+    assert set(v["status"]) == {"unwritten", "unproven"}
+    assert v.loc[v["status"] == "unwritten", ["rank", "name"]].values.tolist() == [[0, "model.layers.0.mlp.bias"]]
+    with pytest.raises(ValueError, match="reset_pattern"):
+        classify(snap, rst, rst, reset_pattern="random")
+
+
+def test_an_empty_rank_is_named_never_a_pass():
+    e = Engine()
+    snap, rst, rel = _phases(e)
+    v = classify(snap, rst, rel, empty=[{"rank": 4, "pp": 2, "tp": 0}])
+    ghost = v[v["rank"] == 4]
+    assert len(ghost) == 1 and ghost["status"].iloc[0] == "empty" and pd.isna(ghost["name"].iloc[0])
+    assert "1 rank empty (rank 4 (pp=2 tp=0): answered with no parameters)" in summary(v)
+    assert "empty" in ENDSTATE_STATUSES

@@ -11,6 +11,7 @@ import pytest
 
 import wcviz.views
 from wcviz._errors import TableError
+from wcviz.digest._fill import fill_digest
 from wcviz.endstate import classify
 from wcviz.frame import make_frame
 from wcviz.views import (
@@ -182,9 +183,14 @@ def test_empty_frame() -> None:
     assert plot_layer_rank(empty).axes[0].texts[0].get_text() == "no verdicts"
 
 
+# what a float32 [16] parameter reads after wcviz's reset: every byte 0xA5 (the check proves coverage by it)
+POISONED = fill_digest("nemo-rl-v3", "float32", [16], 64, 0xA5)
+
+
 def _phase(phase: str, digests: dict[tuple[int, str], str]) -> pd.DataFrame:
     return make_frame(
-        {"name": n, "digest": d, "algo": "nemo-rl-v3", "rank": r, "pp": 0, "tp": r, "phase": phase, "nbytes": 64}
+        {"name": n, "digest": d, "algo": "nemo-rl-v3", "rank": r, "pp": 0, "tp": r, "phase": phase, "nbytes": 64,
+         "dtype": "float32", "shape": "[16]"}
         for (r, n), d in digests.items()
     )
 
@@ -193,7 +199,7 @@ def test_endstate_verdicts_from_classify() -> None:
     names = [EMBED, _layer(0), _layer(1), NORM, HEAD]
     keys = [(r, n) for r in (0, 1) for n in names]
     snap = {k: f"{i:032x}" for i, k in enumerate(keys)}
-    reset = {k: "a5" * 16 for k in keys}
+    reset = {k: POISONED for k in keys}
     reload = dict(snap)
     reload[(1, _layer(1))] = reset[(1, _layer(1))]  # never written
     reload[(0, _layer(0))] = "f" * 32  # a third value
@@ -231,7 +237,7 @@ def test_endstate_verdicts_with_an_unreachable_rank() -> None:
     names = [EMBED, _layer(0), HEAD]
     keys = [(r, n) for r in (0, 1) for n in names]
     snap = {k: f"{i:032x}" for i, k in enumerate(keys)}
-    phases = [_phase(p, d) for p, d in (("snapshot", snap), ("reset", {k: "a5" * 16 for k in keys}), ("reload", snap))]
+    phases = [_phase(p, d) for p, d in (("snapshot", snap), ("reset", {k: POISONED for k in keys}), ("reload", snap))]
     dead = [{"rank": 1, "pp": 0, "tp": 1}, {"rank": 2, "pp": 0, "tp": 2}]  # rank 2 never answered at all
     v = classify(*phases, unreachable=dead)
     grid = layer_rank_grid(v)

@@ -11,6 +11,7 @@ import pytest
 
 import wcviz.views
 from wcviz._errors import TableError
+from wcviz.digest._fill import fill_digest
 from wcviz.endstate import classify
 from wcviz.frame import make_frame
 from wcviz.verdicts import compare, differences
@@ -77,9 +78,14 @@ def _is_png(path: Path) -> bool:
     return path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+# what a float32 [16] parameter reads after wcviz's reset: every byte 0xA5 (the check proves coverage by it)
+POISONED = fill_digest("nemo-rl-v3", "float32", [16], 64, 0xA5)
+
+
 def _phase(phase: str, digests: dict[tuple[int, str], str]) -> pd.DataFrame:
     return make_frame(
-        {"name": n, "digest": d, "algo": "nemo-rl-v3", "rank": r, "pp": 0, "tp": r, "phase": phase, "nbytes": 64}
+        {"name": n, "digest": d, "algo": "nemo-rl-v3", "rank": r, "pp": 0, "tp": r, "phase": phase, "nbytes": 64,
+         "dtype": "float32", "shape": "[16]"}
         for (r, n), d in digests.items()
     )
 
@@ -89,7 +95,7 @@ def _endstate() -> tuple[dict[str, pd.DataFrame], pd.DataFrame]:
     names = [EMBED, _layer(0), _layer(1), HEAD]
     keys = [(r, n) for r in (0, 1) for n in names]
     snap = {k: f"{i + 1:08x}" + "0" * 24 for i, k in enumerate(keys)}
-    reset = {k: "a5" * 16 for k in keys}
+    reset = {k: POISONED for k in keys}
     reload = dict(snap)
     reload[(1, _layer(1))] = reset[(1, _layer(1))]
     reload[(0, _layer(0))] = "f" * 32
@@ -245,13 +251,13 @@ def test_drilldown_text_per_case() -> None:
     assert drilldown_text(frames, _layer(0)) == lines(
         "model.layers.0.mlp.down_proj.weight (nemo-rl-v3)",
         "rank        snapshot    reset       reload",
-        "r0 pp0 tp0  00000002 .  a5a5a5a5 U  ffffffff C",
-        "r1 pp0 tp1  00000006 .  a5a5a5a5 U  00000006 .",
+        f"r0 pp0 tp0  00000002 .  {POISONED[:8]} U  ffffffff C",
+        f"r1 pp0 tp1  00000006 .  {POISONED[:8]} U  00000006 .",
         "legend: . same as snapshot  U equal to the reset (unwritten)  C a third value (corrupted)",
     )
     assert drilldown_text(frames, HEAD).splitlines()[2:] == [
-        "r0 pp0 tp0  00000004 .  a5a5a5a5 U  00000004 .",
-        "r1 pp0 tp1  00000008 .  a5a5a5a5 U  -",
+        f"r0 pp0 tp0  00000004 .  {POISONED[:8]} U  00000004 .",
+        f"r1 pp0 tp1  00000008 .  {POISONED[:8]} U  -",
         "legend: . same as snapshot  U equal to the reset (unwritten)  - absent",
     ]
 
@@ -285,7 +291,7 @@ def test_drilldown_colours_per_case(tmp_path: Path) -> None:
     assert DRILLDOWN_COLORS["unwritten"] == COLORS["unwritten"] and DRILLDOWN_COLORS["match"] == COLORS["match"]
     assert [t.get_text() for t in ax.get_xticklabels()] == ["snapshot", "reset", "reload"]
     assert [t.get_text() for t in ax.get_yticklabels()] == ["r0 pp0 tp0", "r1 pp0 tp1"]
-    assert [t.get_text() for t in ax.texts] == ["00000003", "a5a5a5a5", "00000003", "00000007", "a5a5a5a5", "a5a5a5a5"]
+    assert [t.get_text() for t in ax.texts] == ["00000003", POISONED[:8], "00000003", "00000007", POISONED[:8], POISONED[:8]]
     assert _legend(fig) == ["same as snapshot", "equal to the reset (unwritten)"]
     fig.savefig(tmp_path / "drill.png")
     assert _is_png(tmp_path / "drill.png")

@@ -4,10 +4,12 @@ As SGLang's weight checker, NeMo-RL's value check and slime's
 ``--check-weight-update-equal`` do it, for every engine rank:
 
 1. **snapshot** - digest what the rank holds (phase ``snapshot``);
-2. **reset** - overwrite every parameter with a poison pattern (:func:`poison_`) and
-   digest again (phase ``reset``). The check is void unless every covered parameter
-   changed (:func:`reset_coverage`, :class:`ResetNotCovered`): a parameter the poison
-   did not change cannot show whether the update wrote it;
+2. **reset** - overwrite every parameter with a known pattern (:func:`poison_`) and
+   digest again (phase ``reset``). The pattern's bytes, each parameter's dtype and
+   shape are known, so the digest a *fully* reset parameter must have is computable
+   (:func:`wcviz.digest._fill.fill_digest`); the check is void when a reset digest is
+   anything else (:func:`reset_coverage`, :class:`ResetNotCovered`): a parameter the
+   reset changed only in part cannot show whether the update wrote the rest;
 3. **reload** - run the weight update again and digest (phase ``reload``);
 4. **classify** - compare reload with snapshot per (rank, parameter), see
    :data:`ENDSTATE_STATUSES`.
@@ -17,11 +19,18 @@ Statuses, most severe first:
 - ``corrupted``   the reload holds a third value: neither the snapshot nor the poison;
 - ``unwritten``   the reload still holds the poison: the update never wrote it;
 - ``missing``     in the snapshot, absent after the reload;
+- ``empty``       the rank answered with no parameters in some phase (weights released
+  or offloaded, a mis-wired holder; it is named in ``empty``);
 - ``unreachable`` the rank did not answer in some phase (it is named in ``unreachable``):
   nothing about its weights is proven. A rank with no rows at all gets one row with
-  an empty ``name``, so a dead rank is never silently absent;
+  an empty ``name``, so a dead or empty rank is never silently absent;
 - ``unexpected``  present after the reload, absent from the snapshot;
-- ``match``       the reload holds what the snapshot held.
+- ``unproven``    the reload holds what the snapshot held, but the reset did not prove
+  it overwrote the whole parameter with something else (a partial reset allowed with
+  ``allow_partial_reset``, an engine reset of random values, a parameter that already
+  held the reset pattern): the update may not have written it. Never counted as a match;
+- ``match``       the reload holds what the snapshot held, and the reset had provably
+  overwritten all of it (or it holds no bytes).
 
 Ranks are matched by their coordinates (:data:`wcviz.frame.IDENTITY`), never by row
 order. Nothing here fetches: :func:`classify` reads frames, :func:`run_check` drives
@@ -38,7 +47,7 @@ from typing import TYPE_CHECKING, Any
 import pandas as pd
 
 from wcviz._errors import AlgorithmMismatch, TableError, WcvizError
-from wcviz.frame import IDENTITY, validate
+from wcviz.frame import IDENTITY, check_identities, validate
 from wcviz.verdicts import _check_unique
 
 if TYPE_CHECKING:
@@ -49,6 +58,7 @@ __all__ = [
     "PHASES",
     "POISON_BYTE",
     "POISON_BYTES",
+    "RESET_PATTERNS",
     "EngineLeftPoisoned",
     "ResetNotCovered",
     "classify",
@@ -58,28 +68,48 @@ __all__ = [
     "summary",
 ]
 
-ENDSTATE_STATUSES = ("corrupted", "unwritten", "missing", "unreachable", "unexpected", "match")  # most severe first
+ENDSTATE_STATUSES = (  # most severe first
+    "corrupted", "unwritten", "missing", "empty", "unreachable", "unexpected", "unproven", "match",
+)  # fmt: skip
 PHASES = ("snapshot", "reset", "reload")
 POISON_BYTE = 0xA5  # 1010_0101: no float8/16/32/64 NaN, no common init value, never all-zero
 POISON_BYTES = (POISON_BYTE, 0x5A)  # alternate resets use the other: a leftover poison still changes
+# What a reset writes: wcviz's poison (either byte), zeros (vLLM's own reset), one given byte
+# (an int), or "unknown" (SGLang's random values): then no reset can prove coverage.
+RESET_PATTERNS = ("poison", "zeros", "unknown")
 
 _KEYS = [*IDENTITY, "name"]
 _SHOWN = 8  # ranks / parameters an error or summary names before "+N more"
 
 
 class ResetNotCovered(WcvizError, RuntimeError):
-    """The reset left some parameters unchanged, so the end-state check is void.
+    """The reset did not fully overwrite some parameters, so the end-state check is void.
 
-    ``coverage`` is the :func:`reset_coverage` frame the verdict was drawn from.
+    ``coverage`` is the :func:`reset_coverage` frame the verdict was drawn from;
+    ``poisoned`` names the ranks a failed reload left poisoned (said first in the message).
     """
 
-    def __init__(self, message: str, coverage: pd.DataFrame) -> None:
+    def __init__(self, message: str, coverage: pd.DataFrame, poisoned: tuple[str, ...] = ()) -> None:
         super().__init__(message)
         self.coverage = coverage
+        self.poisoned = poisoned
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (str(self), self.coverage, self.poisoned))
 
 
 class EngineLeftPoisoned(WcvizError, RuntimeError):
-    """The reload (or restoring after a failed reset) failed: the engine still holds poison."""
+    """The reload (or restoring after a failed reset) failed: the engine still holds poison.
+
+    ``poisoned`` names the ranks left poisoned, when they are known.
+    """
+
+    def __init__(self, message: str, poisoned: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.poisoned = poisoned
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (str(self), self.poisoned))
 
 
 # --------------------------------------------------------------------------- poison
@@ -178,7 +208,7 @@ def _empty_tensor(nbytes: pd.Series, shape: pd.Series) -> pd.Series:
 
 
 def _prepare(frames: Mapping[str, pd.DataFrame]) -> dict[str, pd.DataFrame]:
-    """Validate each phase's frame; one algorithm, one coordinate system, unique keys."""
+    """Validate each phase's frame; one algorithm, one coordinate system, unique keys, one identity per rank."""
     out = {phase: validate(df, phase) for phase, df in frames.items()}
     algos: dict[str, str] = {}
     for phase, df in out.items():
@@ -198,48 +228,124 @@ def _prepare(frames: Mapping[str, pd.DataFrame]) -> dict[str, pd.DataFrame]:
         )
     for phase, df in out.items():
         _check_unique(df, _KEYS, phase)
+        check_identities(df, phase)
     return out
 
 
-def _coverage(snap: pd.DataFrame, reset: pd.DataFrame) -> pd.DataFrame:
-    left = snap[_KEYS + ["digest", "nbytes", "shape"]]
-    m = left.merge(reset[_KEYS + ["digest"]], on=_KEYS, how="left", suffixes=("_snapshot", "_reset"))
+def _pattern_bytes(pattern: str | int) -> tuple[int, ...]:
+    """The bytes a reset of ``pattern`` may leave in every byte of a parameter (empty: not computable)."""
+    if isinstance(pattern, bool):
+        raise ValueError(f"reset_pattern must be one of {', '.join(RESET_PATTERNS)} or a byte 0..255, got {pattern!r}")
+    if isinstance(pattern, int):
+        if not 0 <= pattern <= 255:
+            raise ValueError(f"reset_pattern byte must be 0..255, got {pattern}")
+        return (pattern,)
+    if pattern == "poison":
+        return POISON_BYTES
+    if pattern == "zeros":
+        return (0,)
+    if pattern == "unknown":
+        return ()
+    raise ValueError(f"reset_pattern must be one of {', '.join(RESET_PATTERNS)} or a byte 0..255, got {pattern!r}")
+
+
+def _pattern_digests(rows: pd.DataFrame, fill: tuple[int, ...]) -> pd.Series:
+    """Per row (``algo``, ``dtype``, ``shape``, ``nbytes``): the digests a parameter fully reset to one of
+    ``fill``'s bytes must have, as a tuple; None where they cannot be computed (another algorithm, no
+    dtype or shape). Computed once per distinct (algo, dtype, shape, nbytes)."""
+    from wcviz.digest import parse_dtype
+    from wcviz.digest._fill import FILL_ALGORITHMS, fill_digest
+
+    cols = ["algo", "dtype", "shape", "nbytes"]
+    if not fill or not len(rows):
+        return pd.Series([None] * len(rows), index=rows.index, dtype="object")
+    keys = rows[cols].astype("object").where(rows[cols].notna(), None)
+    distinct = keys.drop_duplicates()
+
+    def digests(algo: Any, dtype: Any, shape: Any, nbytes: Any) -> Any:
+        if algo not in FILL_ALGORITHMS or dtype is None or shape is None:
+            return None
+        try:
+            dims = [int(d) for d in json.loads(str(shape))]
+            size = math.prod(dims) * parse_dtype(str(dtype)).itemsize if nbytes is None else int(nbytes)
+            return tuple(fill_digest(str(algo), str(dtype), dims, size, b) for b in fill)
+        except (ValueError, TypeError, RecursionError, WcvizError):
+            return None  # a shape or dtype this PyTorch cannot read: not computable
+
+    distinct = distinct.assign(_expected=[digests(*k) for k in distinct.itertuples(index=False, name=None)])
+    merged = keys.merge(distinct, on=cols, how="left")["_expected"]
+    return pd.Series(merged.to_numpy(), index=rows.index, dtype="object")
+
+
+def _coverage(snap: pd.DataFrame, reset: pd.DataFrame, pattern: str | int = "poison") -> pd.DataFrame:
+    fill = _pattern_bytes(pattern)
+    left = snap[_KEYS + ["digest", "algo", "dtype", "shape", "nbytes"]]
+    m = left.merge(reset[_KEYS + ["digest", "dtype", "shape"]], on=_KEYS, how="left", suffixes=("_snapshot", "_reset"))
     out = m[_KEYS].copy()
     out["digest_snapshot"] = m["digest_snapshot"]
     out["digest_reset"] = m["digest_reset"]
-    out["empty"] = _empty_tensor(m["nbytes"], m["shape"])
-    changed = m["digest_reset"].notna() & (m["digest_snapshot"].str.lower() != m["digest_reset"].str.lower())
-    out["changed"] = changed.fillna(False).astype(bool)
-    out["covered"] = out["changed"] & ~out["empty"]
+    out["empty"] = _empty_tensor(m["nbytes"], m["shape_snapshot"])
+    present = m["digest_reset"].notna()
+    snapshot, after = m["digest_snapshot"].str.lower(), m["digest_reset"].str.lower()
+    out["changed"] = (present & (snapshot != after)).fillna(False).astype(bool)
+    shapes = m.assign(dtype=m["dtype_reset"].fillna(m["dtype_snapshot"]), shape=m["shape_reset"].fillna(m["shape_snapshot"]))
+    expected = _pattern_digests(shapes, fill)
+    provable = expected.map(lambda e: e is not None).astype(bool)
+    hits = [e is not None and isinstance(a, str) and a in e for e, a in zip(expected, after)]
+    full = pd.Series(hits, index=m.index, dtype=bool)
+    out["digest_pattern"] = pd.Series(
+        [pd.NA if e is None else (a if hit else e[0]) for e, a, hit in zip(expected, after, hits)], index=m.index, dtype="string"
+    )
+    out["full"] = full & present
+    out["covered"] = out["full"] & out["changed"] & ~out["empty"]
+    # void: the reset fell short of its pattern (or, unprovable, changed nothing at all)
+    out["void"] = ~out["empty"] & (~present | (provable & ~out["full"]) | (~provable & ~out["changed"]))
+    out["why"] = pd.Series(pd.NA, index=m.index, dtype="string")
+    out.loc[~present, "why"] = "absent after reset"
+    out.loc[present & ~out["changed"], "why"] = "unchanged by the reset"
+    out.loc[present & out["changed"] & provable & ~out["full"], "why"] = "only partly reset"
+    out.loc[present & out["full"] & ~out["changed"], "why"] = "already held the reset pattern"
+    out.loc[present & out["changed"] & ~provable, "why"] = "reset pattern not computable"
+    out.loc[out["empty"], "why"] = "holds no bytes"
     return out.sort_values(_KEYS, na_position="first", kind="stable").reset_index(drop=True)
 
 
-def reset_coverage(snapshot: pd.DataFrame, reset: pd.DataFrame) -> pd.DataFrame:
-    """Per (rank identity, name) of the snapshot: did the reset change it?
+def reset_coverage(snapshot: pd.DataFrame, reset: pd.DataFrame, *, reset_pattern: str | int = "poison") -> pd.DataFrame:
+    """Per (rank identity, name) of the snapshot: did the reset overwrite all of it?
 
     Columns: identity, ``name``, ``digest_snapshot``, ``digest_reset`` (NA if the
-    parameter was absent after the reset), ``empty`` (no bytes: cannot change),
-    ``changed`` and ``covered`` (changed and not empty). The check needs every
-    non-empty parameter ``covered``; empty tensors are never covered.
+    parameter was absent after the reset), ``digest_pattern`` (the digest a parameter
+    fully reset to ``reset_pattern`` must have; NA where it cannot be computed),
+    ``empty`` (no bytes), ``changed``, ``full`` (the reset digest is the pattern's),
+    ``covered`` (full, changed and not empty: a later match proves the update wrote
+    it), ``void`` (the reset fell short: the check cannot stand) and ``why`` (a few
+    words when not covered). ``reset_pattern``: see :data:`RESET_PATTERNS`.
     """
     p = _prepare({"snapshot": snapshot, "reset": reset})
-    return _coverage(p["snapshot"], p["reset"])
+    return _coverage(p["snapshot"], p["reset"], reset_pattern)
 
 
 def _raise_if_uncovered(cov: pd.DataFrame) -> None:
-    bad = cov[~cov["covered"] & ~cov["empty"]]
+    bad = cov[cov["void"]]
     if not len(bad):
         return
-    where = [f"{r['name']} on {_rank_label(r)}" + (" (absent after reset)" if pd.isna(r["digest_reset"]) else "") for _, r in bad.iterrows()]
-    ranks = bad[list(IDENTITY)].drop_duplicates()
     nonempty = int((~cov["empty"]).sum())
+    groups = []
+    for why, said in (("unchanged by the reset", "unchanged"), ("only partly reset", "only partly reset"), ("absent after reset", "absent after reset")):
+        rows = bad[bad["why"] == why]
+        if len(rows):
+            ranks = len(rows[list(IDENTITY)].drop_duplicates())
+            where = _listing([f"{r['name']} on {_rank_label(r)}" for _, r in rows.iterrows()])
+            groups.append(f"{len(rows):,} {said} on {ranks} rank{'s' if ranks != 1 else ''}: {where}")
     msg = (
-        f"reset changed only {nonempty - len(bad):,} of {nonempty:,} parameters; the end-state check is void: "
-        f"{len(bad):,} unchanged on {len(ranks)} rank{'s' if len(ranks) != 1 else ''}: {_listing(where)}"
+        f"reset fully overwrote only {nonempty - len(bad):,} of {nonempty:,} parameters; the end-state check is void: "
+        + "; ".join(groups)
     )
+    if (bad["why"] == "only partly reset").any():
+        msg += " (only partly reset: the digest after the reset is not that of the tensor fully overwritten with the reset pattern)"
     empty = cov[cov["empty"]]
     if len(empty):
-        msg += f"; {len(empty):,} empty tensor(s) are not covered either: " + _listing([f"{r['name']} on {_rank_label(r)}" for _, r in empty.iterrows()])
+        msg += f"; {len(empty):,} empty tensor(s) hold no bytes to reset: " + _listing([f"{r['name']} on {_rank_label(r)}" for _, r in empty.iterrows()])
     raise ResetNotCovered(msg, cov)
 
 
@@ -249,7 +355,7 @@ def _identities(ranks: pd.DataFrame | Iterable[Mapping[str, Any]] | None) -> pd.
         return pd.DataFrame({c: pd.Series(dtype="Int64") for c in IDENTITY})
     df = ranks if isinstance(ranks, pd.DataFrame) else pd.DataFrame.from_records(list(ranks))
     if len(df) and not any(c in df.columns for c in IDENTITY):
-        raise TableError(f"unreachable ranks need identity columns ({', '.join(IDENTITY)}); got {', '.join(map(str, df.columns))}")
+        raise TableError(f"ranks need identity columns ({', '.join(IDENTITY)}); got {', '.join(map(str, df.columns))}")
     out = pd.DataFrame({c: pd.to_numeric(df[c]).astype("Int64") if c in df else pd.Series(pd.NA, index=df.index, dtype="Int64") for c in IDENTITY})
     return out.drop_duplicates().reset_index(drop=True)
 
@@ -283,49 +389,75 @@ def _same_as(out: pd.DataFrame, snap: pd.DataFrame) -> pd.Series:
     return result
 
 
+def _whole_ranks(out: pd.DataFrame, ranks: pd.DataFrame, status: str) -> pd.DataFrame:
+    """Every row of ``ranks`` gets ``status``; a rank with no row at all gets one with no name."""
+    if not len(ranks):
+        return out
+    out.loc[_on_ranks(out, ranks), "status"] = status
+    silent = ranks.merge(out[list(IDENTITY)].drop_duplicates(), on=list(IDENTITY), how="left", indicator=True)
+    silent = silent[silent["_merge"] == "left_only"][list(IDENTITY)]
+    if len(silent):  # a rank without rows still gets one: absent is not the same as fine
+        ghost = silent.assign(status=status, reset_covered=False, rank_absent=True)
+        out = pd.concat([out, ghost.astype({c: "Int64" for c in IDENTITY})], ignore_index=True)
+        for col in ("status", "name", "algo", "same_as"):
+            out[col] = out[col].astype("string")
+    return out
+
+
 def classify(
     snapshot: pd.DataFrame,
     reset: pd.DataFrame,
     reload: pd.DataFrame,
     *,
     allow_partial_reset: bool = False,
+    reset_pattern: str | int = "poison",
     unreachable: pd.DataFrame | Iterable[Mapping[str, Any]] | None = None,
+    empty: pd.DataFrame | Iterable[Mapping[str, Any]] | None = None,
 ) -> pd.DataFrame:
     """One end-state verdict per (rank identity, name), most severe first.
 
     Columns: identity, ``name``, ``status`` (:data:`ENDSTATE_STATUSES`), ``algo``,
     ``digest_snapshot``, ``digest_reset``, ``digest_reload``, ``dtype``, ``shape``,
     ``nbytes``, ``host`` (the snapshot's, else the reload's), ``dtype_reload``,
-    ``shape_reload``, ``layer``, ``block``, ``expert``, ``reset_covered``,
-    ``rank_absent`` (the rank has no rows at all after the reload) and ``same_as``
-    (for a corrupted row: the other ranks whose snapshot held exactly what this rank
-    reloaded, e.g. two ranks that swapped shards). ``unreachable`` names ranks (rows
-    with identity columns, e.g. :attr:`wcviz.sources.FetchResult.failed`) that did not
-    answer in some phase: all their rows are ``unreachable`` and they are left out of
-    the reset coverage. Raises :class:`ResetNotCovered` if the reset left a non-empty
-    parameter of an answering rank unchanged, unless ``allow_partial_reset`` (then
-    ``reset_covered`` marks those rows False).
+    ``shape_reload``, ``layer``, ``block``, ``expert``, ``reset_covered`` (the reset
+    provably overwrote all of it: what makes a ``match`` a proof), ``rank_absent``
+    (the rank has no rows at all after the reload) and ``same_as`` (for a corrupted row:
+    the other ranks whose snapshot held exactly what this rank reloaded, e.g. two ranks
+    that swapped shards).
+
+    ``reset_pattern`` is what the reset writes (:data:`RESET_PATTERNS`: wcviz's
+    ``poison``, vLLM's ``zeros``, a byte, or ``unknown`` for random values). Raises
+    :class:`ResetNotCovered` if the reset left a non-empty parameter of an answering
+    rank anything but fully reset (unchanged, partly reset, absent), unless
+    ``allow_partial_reset``: then those parameters are ``unproven`` where the reload
+    equals the snapshot. ``unreachable`` and ``empty`` name ranks (rows with identity
+    columns, e.g. :attr:`wcviz.sources.FetchResult.failed`) that did not answer, or
+    answered with no parameters, in some phase: all their rows get that status and
+    they are left out of the reset coverage.
     """
     p = _prepare({"snapshot": snapshot, "reset": reset, "reload": reload})
     snap, rst, rel = p["snapshot"], p["reset"], p["reload"]
     dead = _identities(unreachable)
-    cov = _coverage(snap, rst)
+    hollow = _identities(empty)
+    cov = _coverage(snap, rst, reset_pattern)
     if not allow_partial_reset:
-        _raise_if_uncovered(cov[~_on_ranks(cov, dead)])
+        _raise_if_uncovered(cov[~_on_ranks(cov, dead) & ~_on_ranks(cov, hollow)])
     extra = ["digest", "dtype", "shape", "nbytes", "layer", "block", "expert", "host"]
     m = snap[_KEYS + extra].merge(rel[_KEYS + extra], on=_KEYS, how="outer", suffixes=("_snapshot", "_reload"), indicator=True)
     m = m.merge(rst[_KEYS + ["digest"]].rename(columns={"digest": "digest_reset"}), on=_KEYS, how="left")
-    m = m.merge(cov[_KEYS + ["covered"]], on=_KEYS, how="left")
+    m = m.merge(cov[_KEYS + ["covered", "empty"]], on=_KEYS, how="left")
 
     s, r, z = (m[f"digest_{p}"].str.lower() for p in ("snapshot", "reset", "reload"))
     both = m["_merge"] == "both"
+    proven = (m["covered"].fillna(False) | m["empty"].fillna(False)).astype(bool)
     status = pd.Series("missing", index=m.index, dtype="string")
     status[m["_merge"] == "right_only"] = "unexpected"
     same_snap = (z == s).fillna(False).astype(bool)
     same_reset = (z == r).fillna(False).astype(bool)
     status[both & ~same_snap & ~same_reset] = "corrupted"
     status[both & ~same_snap & same_reset] = "unwritten"
-    status[both & same_snap] = "match"
+    status[both & same_snap & ~proven] = "unproven"
+    status[both & same_snap & proven] = "match"
 
     out = m[_KEYS].copy()
     out["status"] = status
@@ -343,18 +475,14 @@ def classify(
     present = out[list(IDENTITY)].merge(reload_ranks, on=list(IDENTITY), how="left")["_present"]
     out["rank_absent"] = present.isna().to_numpy()
     out["same_as"] = _same_as(out, snap)
-    if len(dead):
-        out.loc[_on_ranks(out, dead), "status"] = "unreachable"
-        silent = dead.merge(out[list(IDENTITY)].drop_duplicates(), on=list(IDENTITY), how="left", indicator=True)
-        silent = silent[silent["_merge"] == "left_only"][list(IDENTITY)]
-        if len(silent):  # a rank that never answered still gets a row: absent is not the same as fine
-            ghost = silent.assign(status="unreachable", reset_covered=False, rank_absent=True)
-            out = pd.concat([out, ghost.astype({c: "Int64" for c in IDENTITY})], ignore_index=True)
-            for col in ("status", "name", "algo", "same_as"):
-                out[col] = out[col].astype("string")
+    out = _whole_ranks(out, dead, "unreachable")
+    out = _whole_ranks(out, hollow, "empty")
     order = out["status"].map({st: i for i, st in enumerate(ENDSTATE_STATUSES)}).astype(int)
     out = out.assign(_o=order).sort_values(["_o", *IDENTITY, "name"], na_position="first", kind="stable")
     return out.drop(columns="_o").reset_index(drop=True)
+
+
+_WHOLE_RANK = {"unreachable": "did not answer", "empty": "answered with no parameters"}
 
 
 def summary(verdicts: pd.DataFrame) -> str:
@@ -364,7 +492,7 @@ def summary(verdicts: pd.DataFrame) -> str:
     """
     ids = list(IDENTITY)
     n_ranks = len(verdicts[ids].drop_duplicates())
-    ghosts = verdicts["name"].isna()  # ranks that never answered: no parameter rows to count
+    ghosts = verdicts["name"].isna()  # ranks without rows (dead, empty): no parameter to count
     parts = []
     for st in ENDSTATE_STATUSES:
         rows = verdicts[verdicts["status"] == st]
@@ -374,23 +502,25 @@ def summary(verdicts: pd.DataFrame) -> str:
             parts.append(f"{len(rows):,} match")
             continue
         ranks = rows[ids + ["rank_absent"]].drop_duplicates(ids).sort_values(ids, na_position="first")
-        absent = st != "unreachable"
+        absent = st not in _WHOLE_RANK
         labels = [_rank_label(r) + (": rank absent after reload" if absent and r["rank_absent"] else "") for _, r in ranks.iterrows()]
         n_params = int((~rows["name"].isna()).sum())
         plural = "s" if len(ranks) != 1 else ""
         if n_params:
             parts.append(f"{n_params:,} {st} on {len(ranks)} rank{plural} ({_listing(labels)})")
-        else:  # ranks that never answered: no parameter to count
-            parts.append(f"{len(ranks)} rank{plural} {st} ({_listing(labels)})")
+        else:  # ranks that never answered, or answered empty: no parameter to count
+            parts.append(f"{len(ranks)} rank{plural} {st} ({_listing(labels)}: {_WHOLE_RANK.get(st, st)})")
     n_all = int((~ghosts).sum())
     line = f"end-state check: {n_ranks} rank{'s' if n_ranks != 1 else ''}, {n_all:,} parameters: {', '.join(parts) or 'nothing to check'}"
     swapped = verdicts[verdicts["same_as"].notna()] if "same_as" in verdicts else verdicts.iloc[:0]
     if len(swapped):
         pairs = sorted({f"{_rank_label(r)} holds {r['same_as']}'s" for _, r in swapped.iterrows()})
         line += f"; {len(swapped):,} corrupted parameters hold another rank's snapshot ({_listing(pairs)})"
-    uncovered = int((~verdicts["reset_covered"] & ~verdicts["status"].isin(["unexpected", "unreachable"])).sum())
-    if uncovered:
-        line += f"; {uncovered:,} not covered by the reset (their verdicts prove less)"
+    if (verdicts["status"] == "unproven").any():
+        line += "; unproven: the reset did not prove the update rewrote them"
+    bare = int(((verdicts["status"] == "match") & ~verdicts["reset_covered"]).sum())
+    if bare:
+        line += f"; {bare:,} not covered by the reset (tensors without bytes: they match by dtype and shape only)"
     return line
 
 
@@ -414,6 +544,7 @@ def run_check(
     digest_fn: Callable[[str], pd.DataFrame],
     *,
     allow_partial_reset: bool = False,
+    reset_pattern: str | int = "poison",
 ) -> pd.DataFrame:
     """Run the end-state check over callables and return :func:`classify`'s verdicts.
 
@@ -433,4 +564,4 @@ def run_check(
         raise
     _reload_or_raise(reload_fn, "after the reset")
     reload = digest_fn("reload")
-    return classify(snap, reset, reload, allow_partial_reset=allow_partial_reset)
+    return classify(snap, reset, reload, allow_partial_reset=allow_partial_reset, reset_pattern=reset_pattern)

@@ -597,7 +597,7 @@ class Dashboard:
                     cov[cols].merge(_ranks(frame).assign(_in=True), on=cols, how="left")["_in"].notna().to_numpy()
                 )
                 nonempty = cov[~cov["empty"].to_numpy() & answered]  # a rank that did not answer is not counted
-                parts.append(f"{int(nonempty['covered'].sum()):,} of {len(nonempty):,} changed by the reset")
+                parts.append(f"{int(nonempty['covered'].sum()):,} of {len(nonempty):,} fully reset")
             except Exception as e:  # noqa: BLE001 - the coverage is a hint here; Compare reports the real error
                 parts.append(f"reset coverage unknown ({type(e).__name__})")
         return "; ".join(parts)
@@ -618,6 +618,8 @@ class Dashboard:
         else:
             head = _plural(n, "rank")
         parts = [head]
+        if "status" in v and (v["status"] == "empty").any():
+            parts.append(f"{_plural(len(_ranks(v[v['status'] == 'empty'])), 'rank')} empty (answered with no parameters)")
         rep = self.report
         if rep is not None and len(rep.poisoned):
             labels = ", ".join(sorted({_rank_label(r) for r in rep.poisoned.to_dict(orient="records")}))
@@ -658,7 +660,7 @@ class Dashboard:
                 self._info_errors.pop(u, None)
             kinds = [
                 f"{int((res.failed['kind'] == k).sum())} {k}"
-                for k in ("unreachable", "failed")
+                for k in ("unreachable", "failed", "empty")
                 if (res.failed["kind"] == k).any()
             ]
             self._set_status(

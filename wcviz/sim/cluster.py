@@ -303,7 +303,7 @@ class Cluster:
     def set_faults(self, faults: LoaderFaults | Mapping[int, LoaderFaults] | None) -> None:
         """Loader faults from now on: one :class:`LoaderFaults` for every engine rank, or per rank.
 
-        ``None`` (or an empty mapping) heals every rank.
+        ``None`` (or an empty mapping) heals every rank. Dead ranks are skipped: they load nothing.
         """
         if faults is None or isinstance(faults, LoaderFaults):
             per_rank = {r: faults or LoaderFaults() for r in range(self.layout.world_size)}
@@ -319,8 +319,11 @@ class Cluster:
         for r, f in per_rank.items():
             if f.tp_as is not None and not 0 <= f.tp_as < self.layout.tp:
                 raise ValueError(f"engine rank {r}: LoaderFaults.tp_as={f.tp_as} is outside tp 0..{self.layout.tp - 1}")
+        self._dead_engines()
         for r, f in per_rank.items():
-            self._call(self._engine_keys([r]), "set_faults", faults=f)
+            key = self._engine_keys([r])[0]
+            if key not in self._dead:
+                self._call([key], "set_faults", faults=f)
 
     def save_checkpoint(self) -> Path:
         """The trainer writes its current weights as safetensors; engine agents' ``reload`` loads them."""
@@ -411,6 +414,12 @@ class Cluster:
         :meth:`save_checkpoint`. ``faults``, when given, are set after the reset, so
         they strike the update under test only (and stay set afterwards). Other
         arguments go to :func:`wcviz.check.check_agents`.
+
+        A dead engine rank cannot take part in a refit (the broadcast needs every
+        rank), so when one is dead - before the check or during it - the living ranks
+        are reloaded from a checkpoint of the trainer's current weights instead (the
+        report's ``notes`` say so) and the dead one is ``unreachable`` under its
+        coordinates: no rank is left poisoned because another died.
         """
         from wcviz.check import check_agents
 
@@ -421,20 +430,54 @@ class Cluster:
         if reload == "checkpoint" and self.checkpoint is None:
             self.save_checkpoint()
         transport: list[Any] = []
+        notes: list[str] = []
 
         def inject() -> None:
             if faults is not None:
                 self.set_faults(faults)
 
-        def by_refit() -> None:
-            transport.append(self.refit())
+        def by_refit() -> Any:
+            dead = self._dead_engines()
+            if not dead:
+                try:
+                    transport.append(self.refit())
+                    return None
+                except ClusterError as e:
+                    dead = self._dead_engines()
+                    if not dead:
+                        raise
+                    why = f"the refit failed: {e}"
+            else:
+                why = "a refit needs every engine rank"
+            return self._reload_living(dead, why, notes)
 
         report = check_agents(
             self.urls("engine"), token=self.token, reload=by_refit if reload == "refit" else None,
             before_reload=inject, progress=progress, **kwargs,
         )  # fmt: skip
         report.transport = transport[0] if transport else None
+        report.notes.extend(notes)
         return report
+
+    def _dead_engines(self) -> list[_Key]:
+        """Engine ranks whose process is gone (marked dead from now on)."""
+        for key in self._engine_keys():
+            if self._procs[key].poll() is not None:
+                self._dead.add(key)
+        return [k for k in self._engine_keys() if k in self._dead]
+
+    def _reload_living(self, dead: list[_Key], why: str, notes: list[str]) -> Any:
+        """Reload the living engine ranks from a checkpoint of the trainer's weights: an ActionResult for them."""
+        from wcviz.sources import act
+
+        self.save_checkpoint()  # the trainer's current weights; every living engine is pointed at it
+        names = ", ".join(self._label(k) for k in dead)
+        notes.append(
+            f"{names} {'is' if len(dead) == 1 else 'are'} dead, so the reload could not be a refit ({why}); the living "
+            f"engine ranks were reloaded from the trainer's checkpoint of step {self.step_k} instead"
+        )
+        living = {str(self.ranks[k].url): self.ranks[k].identity for k in self._engine_keys() if k not in dead and self.ranks[k].url}
+        return act(living, "reload", token=self.token, timeout_s=self.timeout_s)
 
 
 def _spawn(spec: _worker.Spec) -> tuple[subprocess.Popen[bytes], Connection]:

@@ -19,8 +19,7 @@ from wcviz.frame import IDENTITY, parse_block, parse_layer
 
 __all__ = ["NO_RANKS", "SEVERITY", "layer_rank_counts", "layer_rank_grid"]
 
-# worst first: both verdict kinds' statuses, and a rank that did not answer
-SEVERITY = ("corrupted", "mismatch", "drift", "unwritten", "missing", "unreachable", "unexpected", "match")
+from wcviz.verdicts import SEVERITY  # worst first: both verdict kinds' statuses
 NO_RANKS = "all"  # the one column of a frame without rank coordinates
 
 _PREFIX = {"rank": "r", "dp": "dp", "pp": "pp", "tp": "tp", "ep": "ep"}

@@ -27,8 +27,10 @@ COLORS = {
     "drift": "#F0E442",  # yellow: dtype or shape changed
     "unwritten": "#E69F00",  # orange: still the poison
     "missing": "#0072B2",  # blue
+    "empty": "#666666",  # dark grey: the rank answered with nothing
     "unreachable": "#222222",  # near black: the rank did not answer
     "unexpected": "#56B4E9",  # sky blue
+    "unproven": "#C9B8E0",  # pale violet: looks right, but the reset proved nothing
     "match": "#D9E6D9",  # light grey-green
 }
 NOT_HELD_COLOR = "#FFFFFF"

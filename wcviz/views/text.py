@@ -33,8 +33,10 @@ MARKS = {
     "drift": "D",
     "unwritten": "U",
     "missing": "x",
+    "empty": "0",
     "unreachable": "?",
     "unexpected": "+",
+    "unproven": "~",
     "match": ".",
 }
 NOT_HELD = "-"  # the rank holds nothing of that part
