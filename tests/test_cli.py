@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -258,3 +259,77 @@ def test_module_entry_point_exit_codes(tmp_path, ckpt, served, saved):
     assert bad.stdout == ""
     assert bad.stderr.startswith("wcviz: error: ") and "Traceback" not in bad.stderr
     assert "missing.safetensors" in bad.stderr
+
+
+# --------------------------------------------------------------------------- bad input: exit 2 and one line, never a traceback
+
+
+def _header_file(path: Path, header: bytes | dict) -> Path:
+    import struct
+
+    raw = header if isinstance(header, bytes) else json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw)
+    return path
+
+
+BAD_CHECKPOINTS = {
+    "dim beyond int64 beside a zero": ({"w": {"dtype": "F32", "shape": [0, 2**63], "data_offsets": [0, 0]}}, "does not fit in int64"),
+    "dtype that is a list": ({"w": {"dtype": ["F32"], "shape": [1], "data_offsets": [0, 4]}}, "unknown dtype \\['F32'\\] \\(a JSON list\\)"),
+    "dtype that is a dict": ({"w": {"dtype": {"F32": 1}, "shape": [1], "data_offsets": [0, 4]}}, "unknown dtype"),
+    "header nested 100,000 deep": (b"[" * 100_000 + b"]" * 100_000, "nests JSON too deeply"),
+    "100,000 dimensions": ({"w": {"dtype": "F32", "shape": [1] * 100_000, "data_offsets": [0, 4]}}, "100,000 dimensions"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_CHECKPOINTS))
+def test_a_hostile_checkpoint_header_exits_2_naming_it(capsys, tmp_path, case):
+    header, why = BAD_CHECKPOINTS[case]
+    path = _header_file(tmp_path / "bad.safetensors", header)
+    for argv in (("digest", path), ("compare", path, path)):
+        rc, _, err = _run(capsys, *argv)
+        assert rc == 2, (case, argv, err)
+        _assert_clean_error(err, "bad.safetensors")
+        assert re.search(why, err), err
+
+
+def test_a_hostile_index_exits_2(capsys, tmp_path):
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    (d / "model.safetensors.index.json").write_text('{"weight_map": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    rc, _, err = _run(capsys, "digest", d)
+    assert rc == 2
+    _assert_clean_error(err, "index", "nests too deeply")
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "why"),
+    [
+        ("big.csv", "name,digest,algo,nbytes\nw," + "0" * 32 + ",nemo-rl-v3,99999999999999999999999\n", "integer beyond int64"),
+        ("big.json", json.dumps([{"name": "w", "digest": "0" * 32, "algo": "nemo-rl-v3", "rank": 2**70}]), "integer beyond int64"),
+        ("deep.json", "[" * 100_000 + "]" * 100_000, "nests too deeply"),
+        ("garbage.csv", "name,digest,algo\nw,error,nemo-rl-v3\n", "'error' is not a nemo-rl-v3 digest"),
+    ],
+)
+def test_a_hostile_table_exits_2_naming_it(capsys, tmp_path, name, text, why):
+    path = tmp_path / name
+    path.write_text(text)
+    rc, _, err = _run(capsys, "compare", path, path)
+    assert rc == 2
+    _assert_clean_error(err, name, why)
+
+
+@pytest.mark.parametrize(
+    ("argv", "why"),
+    [
+        (["fetch", "not-a-url"], "'not-a-url' is not an agent URL"),
+        (["fetch", "ftp://host:1"], "is not an agent URL"),
+        (["fetch", "http://127.0.0.1:9", "--name", "(["], "bad name filter '\\(\\[': missing \\]"),
+        (["fetch", "http://127.0.0.1:9", "--name", "(a)\\1"], "bad name filter"),
+        (["endstate", "not-a-url", "--yes-reset", "--token", "t"], "is not an agent URL"),
+    ],
+)
+def test_bad_fetch_and_endstate_arguments_exit_2_before_any_request(capsys, argv, why):
+    rc, _, err = _run(capsys, *argv)
+    assert rc == 2
+    _assert_clean_error(err)
+    assert re.search(why, err), err

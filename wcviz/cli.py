@@ -10,6 +10,7 @@ file, tensor, column or flag; never a traceback).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -173,8 +174,6 @@ def _fetch(args: argparse.Namespace) -> int:
 
 
 def _endstate(args: argparse.Namespace) -> int:
-    import os
-
     from wcviz.check import check_agents
     from wcviz.views import layer_rank_text
 
@@ -228,6 +227,7 @@ def _bench(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the exit status."""
     from wcviz._errors import WcvizError
+    from wcviz.endstate import EngineLeftPoisoned, ResetNotCovered
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["demo"]:  # the demo parses its own flags
@@ -238,6 +238,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     commands = {"digest": _digest, "compare": _compare, "fetch": _fetch, "endstate": _endstate, "bench": _bench}
     try:
         return commands[args.command](args)
+    except (EngineLeftPoisoned, ResetNotCovered) as e:  # not bad input: the check ran and did not pass
+        print(f"wcviz: {e}", file=sys.stderr)
+        return 1
     except WcvizError as e:
         print(f"wcviz: error: {e}", file=sys.stderr)
         return 2
@@ -247,6 +250,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("wcviz: interrupted", file=sys.stderr)
         return 130
+    except Exception as e:  # noqa: BLE001 - one line, never a traceback in the middle of an incident
+        if os.environ.get("WCVIZ_DEBUG"):
+            raise
+        first = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
+        print(f"wcviz: error: {type(e).__name__}: {first} (set WCVIZ_DEBUG=1 for the traceback)", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

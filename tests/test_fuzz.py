@@ -1,0 +1,169 @@
+"""Fuzzing what reads untrusted bytes: every input is either read or refused with wcviz's own error, never a crash.
+
+A checkpoint header and index, a saved table, an agent's query string, a Host header,
+a name filter and a refit control message all come from outside the process. Each
+property below says: whatever hypothesis makes of them, the reader answers with a
+result or with the one error class its callers catch (and the CLI turns into exit 2).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import string
+import struct
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from wcviz._errors import CheckpointError, TableError
+from wcviz._names import NameFilterError, name_filter
+from wcviz.agent import Agent, _host_of
+from wcviz.frame import read_table
+from wcviz.refit import RefitProtocolError
+from wcviz.refit._shm import BufferHandle, HandleError
+from wcviz.refit.ipc import _decode
+from wcviz.sources._safetensors import checkpoint_files, from_safetensors, read_header
+
+EXAMPLES = int(os.environ.get("WCVIZ_FUZZ_EXAMPLES", "150"))  # raise it for a long run; CI keeps the suite quick
+FUZZ = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(min_value=-(2**70), max_value=2**70) | st.floats(allow_nan=False) | st.text(max_size=12),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=20,
+)
+DTYPE_CODES = st.sampled_from(["F32", "BF16", "I64", "BOOL", "F8_E4M3", "C64", "X", ""]) | json_values
+entries = st.fixed_dictionaries(
+    {"dtype": DTYPE_CODES, "shape": st.lists(st.integers(min_value=-2, max_value=2**64), max_size=4) | json_values,
+     "data_offsets": st.lists(st.integers(min_value=-2, max_value=2**64), max_size=3) | json_values},
+)  # fmt: skip
+headers = st.dictionaries(st.text(max_size=10), entries | json_values, max_size=4)
+
+
+def _write(tmp: Path, header: bytes, data: bytes = b"") -> Path:
+    path = tmp / "x.safetensors"
+    path.write_bytes(struct.pack("<Q", len(header)) + header + data)
+    return path
+
+
+@FUZZ
+@given(raw=st.binary(max_size=300))
+def test_arbitrary_bytes_as_a_checkpoint(tmp_path: Path, raw: bytes) -> None:
+    path = tmp_path / "x.safetensors"
+    path.write_bytes(raw)
+    try:
+        read_header(path)
+    except CheckpointError:
+        pass  # refused, naming the file: that is the contract
+
+
+@FUZZ
+@given(header=headers, data=st.binary(max_size=64))
+def test_arbitrary_json_headers(tmp_path: Path, header: dict[str, Any], data: bytes) -> None:
+    path = _write(tmp_path, json.dumps(header).encode(), data)
+    try:
+        entries = read_header(path)
+    except CheckpointError:
+        return
+    for e in entries:  # what was accepted is consistent with the file
+        assert e.start + e.nbytes <= path.stat().st_size
+    table = from_safetensors(path, progress=False) if entries else None
+    assert table is None or len(table) == len(entries)
+
+
+@FUZZ
+@given(index=json_values)
+def test_arbitrary_index_files(tmp_path: Path, index: Any) -> None:
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    try:
+        checkpoint_files(tmp_path)
+    except CheckpointError:
+        pass
+
+
+@FUZZ
+@given(text=st.text(alphabet=string.printable, max_size=200), suffix=st.sampled_from([".csv", ".json"]))
+def test_arbitrary_tables(tmp_path: Path, text: str, suffix: str) -> None:
+    path = tmp_path / f"t{suffix}"
+    path.write_text(text)
+    try:
+        read_table(path)
+    except TableError:
+        pass
+
+
+@FUZZ
+@given(rows=st.lists(st.dictionaries(st.sampled_from(["name", "digest", "algo", "rank", "tp", "nbytes", "shape"]), json_values, max_size=7), max_size=4))
+def test_arbitrary_json_tables(tmp_path: Path, rows: list[dict[str, Any]]) -> None:
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(rows))
+    try:
+        read_table(path)
+    except TableError:
+        pass
+
+
+AGENT = Agent(lambda: {"model.layers.0.mlp.up_proj.weight": torch.ones(2), "lm_head.weight": torch.zeros(3)}, role="engine", rank=0)
+
+
+@settings(max_examples=EXAMPLES, deadline=None)
+@given(query=st.lists(st.tuples(st.sampled_from(["name", "nme", "x"]), st.text(max_size=40)), max_size=3))
+def test_arbitrary_agent_queries_are_answered_200_or_400(query: list[tuple[str, str]]) -> None:
+    async def go() -> httpx.Response:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=AGENT.app), base_url="http://127.0.0.1") as c:
+            return await c.get("/v1/digests", params=query)
+
+    r = asyncio.run(go())
+    assert r.status_code in (200, 400), r.text
+    assert isinstance(r.json(), dict)
+
+
+@settings(max_examples=2 * EXAMPLES, deadline=None)
+@given(value=st.text(max_size=40))
+def test_arbitrary_host_headers(value: str) -> None:
+    host = _host_of(value)
+    assert host is None or (isinstance(host, str) and host == host.lower())
+
+
+@settings(max_examples=2 * EXAMPLES, deadline=None)
+@given(pattern=st.text(max_size=30), name=st.text(max_size=30))
+def test_arbitrary_name_filters(pattern: str, name: str) -> None:
+    try:
+        keep = name_filter(pattern)
+    except NameFilterError:
+        return
+    assert keep is not None and isinstance(keep(name), bool)
+
+
+@settings(max_examples=2 * EXAMPLES, deadline=None)
+@given(message=json_values | st.binary(max_size=40))
+def test_arbitrary_refit_control_messages(message: Any) -> None:
+    raw = message if isinstance(message, bytes) else json.dumps(message).encode()
+    try:
+        msg = _decode(raw, "sender", "ipc:///x")
+    except RefitProtocolError:
+        return
+    assert isinstance(msg, dict)
+    try:
+        BufferHandle.from_wire(msg.get("buffer"))
+    except HandleError:
+        pass
+
+
+@pytest.mark.parametrize("depth", [10_000, 100_000])
+def test_deep_json_everywhere_is_refused_not_a_recursion_error(tmp_path: Path, depth: int) -> None:
+    deep = "[" * depth + "]" * depth
+    with pytest.raises(CheckpointError):
+        read_header(_write(tmp_path, deep.encode()))
+    (tmp_path / "t.json").write_text(deep)
+    with pytest.raises(TableError):
+        read_table(tmp_path / "t.json")
+    with pytest.raises(RefitProtocolError):
+        _decode(deep.encode(), "sender", "ipc:///x")
