@@ -9,6 +9,7 @@ result or with the one error class its callers catch (and the CLI turns into exi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import string
@@ -58,10 +59,8 @@ def _write(tmp: Path, header: bytes, data: bytes = b"") -> Path:
 def test_arbitrary_bytes_as_a_checkpoint(tmp_path: Path, raw: bytes) -> None:
     path = tmp_path / "x.safetensors"
     path.write_bytes(raw)
-    try:
+    with contextlib.suppress(CheckpointError):  # refused, naming the file: that is the contract
         read_header(path)
-    except CheckpointError:
-        pass  # refused, naming the file: that is the contract
 
 
 @FUZZ
@@ -82,10 +81,8 @@ def test_arbitrary_json_headers(tmp_path: Path, header: dict[str, Any], data: by
 @given(index=json_values)
 def test_arbitrary_index_files(tmp_path: Path, index: Any) -> None:
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
-    try:
+    with contextlib.suppress(CheckpointError):
         checkpoint_files(tmp_path)
-    except CheckpointError:
-        pass
 
 
 @FUZZ
@@ -93,10 +90,8 @@ def test_arbitrary_index_files(tmp_path: Path, index: Any) -> None:
 def test_arbitrary_tables(tmp_path: Path, text: str, suffix: str) -> None:
     path = tmp_path / f"t{suffix}"
     path.write_text(text)
-    try:
+    with contextlib.suppress(TableError):
         read_table(path)
-    except TableError:
-        pass
 
 
 @FUZZ
@@ -104,10 +99,8 @@ def test_arbitrary_tables(tmp_path: Path, text: str, suffix: str) -> None:
 def test_arbitrary_json_tables(tmp_path: Path, rows: list[dict[str, Any]]) -> None:
     path = tmp_path / "t.json"
     path.write_text(json.dumps(rows))
-    try:
+    with contextlib.suppress(TableError):
         read_table(path)
-    except TableError:
-        pass
 
 
 AGENT = Agent(lambda: {"model.layers.0.mlp.up_proj.weight": torch.ones(2), "lm_head.weight": torch.zeros(3)}, role="engine", rank=0)
@@ -151,10 +144,8 @@ def test_arbitrary_refit_control_messages(message: Any) -> None:
     except RefitProtocolError:
         return
     assert isinstance(msg, dict)
-    try:
+    with contextlib.suppress(HandleError):
         BufferHandle.from_wire(msg.get("buffer"))
-    except HandleError:
-        pass
 
 
 @pytest.mark.parametrize("depth", [10_000, 100_000])
