@@ -48,6 +48,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/cpu_digest.py --repeat 5
 	$(BIN)/python benchmarks/refit.py --repeat 3
 	$(BIN)/python benchmarks/fanout.py --repeat 3
+	$(BIN)/python benchmarks/frame.py
 	@if $(BIN)/python -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then \
 	  $(BIN)/python benchmarks/gpu.py --gib 1; else echo "no CUDA GPU here: benchmarks/gpu.py not run"; fi
 
