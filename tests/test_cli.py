@@ -304,8 +304,8 @@ def test_a_hostile_index_exits_2(capsys, tmp_path):
 @pytest.mark.parametrize(
     ("name", "text", "why"),
     [
-        ("big.csv", "name,digest,algo,nbytes\nw," + "0" * 32 + ",nemo-rl-v3,99999999999999999999999\n", "integer beyond int64"),
-        ("big.json", json.dumps([{"name": "w", "digest": "0" * 32, "algo": "nemo-rl-v3", "rank": 2**70}]), "integer beyond int64"),
+        ("big.csv", "name,digest,algo,nbytes\nw," + "0" * 32 + ",nemo-rl-v3,99999999999999999999999\n", "does not fit in int64"),
+        ("big.json", json.dumps([{"name": "w", "digest": "0" * 32, "algo": "nemo-rl-v3", "rank": 2**70}]), "does not fit in int64"),
         ("deep.json", "[" * 100_000 + "]" * 100_000, "nests too deeply"),
         ("garbage.csv", "name,digest,algo\nw,error,nemo-rl-v3\n", "'error' is not a nemo-rl-v3 digest"),
     ],

@@ -269,7 +269,6 @@ def _rank_row(name: str, rank: int, tp: int, host: str = "h0", role: str = "engi
         ([_rank_row("w", 1, 0), _rank_row("v", 1, 1)], r"rank 1 claims two identities: \(rank=1 tp=0\) in row 0 and \(rank=1 tp=1\) in row 1"),
         ([_rank_row("w", 1, 0, host="a"), _rank_row("v", 1, 0, host="b")], "rows 0 and 1 claim the same rank .* host 'a' and 'b'"),
         ([_rank_row("w", 0, 0, role="trainer"), _rank_row("v", 0, 0)], "rows 0 and 1 claim the same rank .* role 'trainer' and 'engine'"),
-        ([_rank_row("w", 1, 1), _rank_row("v", 3, 1)], r"ranks 1 \(row 0\) and 3 \(row 1\) claim the same coordinates \(tp=1\)"),
     ],
 )
 def test_one_rank_with_two_identities_is_an_error(rows: list[dict], why: str) -> None:

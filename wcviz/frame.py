@@ -252,14 +252,14 @@ def _checked_digests(frame: pd.DataFrame, source: str) -> pd.Series:
     raise TableError(f"{source}: row {i} ({frame['name'].iloc[i]!r}): {digest_format_error(algos.iloc[i], frame['digest'].iloc[i])}")
 
 
-def _coords(row: Mapping[str, Any], cols: Sequence[str] = IDENTITY) -> str:
-    shown = " ".join(f"{c}={int(row[c])}" for c in cols if not pd.isna(row[c]))
+def _coords(row: Mapping[str, Any]) -> str:
+    shown = " ".join(f"{c}={int(row[c])}" for c in IDENTITY if not pd.isna(row[c]))
     return f"({shown or 'no coordinates'})"
 
 
 def check_identities(df: pd.DataFrame, source: str = "table") -> None:
     """Refuse a table in which one rank claims two identities: a rank number with two sets of
-    coordinates, one set of coordinates with two rank numbers, or with two roles or hosts.
+    coordinates, or one rank (number and coordinates) with two roles or hosts.
 
     Verdicts match ranks by their coordinates, so such rows would silently be merged into
     one rank or split into two; raises a :class:`TableError` naming both rows.
@@ -275,18 +275,6 @@ def check_identities(df: pd.DataFrame, source: str = "table") -> None:
                 f"{source}: rank {int(df.at[first, 'rank'])} claims two identities: {_coords(df.loc[first])} in row "
                 f"{first} and {_coords(df.loc[second])} in row {second}"
             )
-    coords = [c for c in IDENTITY if c != "rank"]
-    placed = ranked[ranked[coords].notna().any(axis=1)][ids].drop_duplicates()
-    clash = placed[placed.duplicated(coords, keep=False)]
-    if len(clash):  # two rank numbers on one set of coordinates: two processes claim the same shard
-        first = clash.index[0]
-        key = clash.loc[first, coords]
-        same = clash[(clash[coords] == key).fillna(clash[coords].isna() & key.isna()).all(axis=1)]
-        second = same.index[1]
-        raise TableError(
-            f"{source}: ranks {int(df.at[first, 'rank'])} (row {first}) and {int(df.at[second, 'rank'])} (row {second}) "
-            f"claim the same coordinates {_coords(df.loc[first], coords)}"
-        )
     for col in ("role", "host"):
         if col not in df.columns:
             continue
