@@ -8,7 +8,7 @@ browser): open the notebook, run every cell above the one tagged
 ``dashboard-driven-from-code`` (the cluster comes up, the loader fault is set, the
 dashboard is displayed; the teardown cell at the end does not run), then click
 Snapshot, Reset, "Yes, poison every weight", Reload and Compare, and read the status
-line: the injected fault, exactly (2 parameters unwritten on 1 rank, 40 match), and the
+line: the injected fault, exactly (2 unwritten on 1 rank, 40 match), and the
 table view filtered to ``unwritten`` names rank 1 and its two ``mlp.down_proj``. The
 heatmap must be a loaded image, and so must the topology view once selected. The
 dashboard is saved as tests/artifacts/dashboard.png (the topology view as
@@ -311,7 +311,7 @@ def test_dashboard_in_jupyterlab_chromium(tmp_path):
 
                 text = status.inner_text()
                 assert "4 of 4 ranks answered" in text, text
-                assert "2 parameters unwritten on 1 rank" in text, text
+                assert "2 unwritten on 1 rank" in text, text
                 assert "40 match" in text, text
                 assert not page.locator(".wcviz-errors").is_visible(), page.locator(".wcviz-errors").inner_text()
 

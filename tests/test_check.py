@@ -1,4 +1,4 @@
-"""The end-state check over HTTP agents (wcviz.check) and its CLI (`wcviz endstate`, `wcviz fetch`).
+"""The end-state check over HTTP agents (wcviz.endstate.check_agents) and its CLI (`wcviz endstate`, `wcviz fetch`).
 
 Agents run in this process on loopback, each over a small dict of tensors whose
 reload can be told to misbehave, so every branch is exercised without processes.
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from wcviz.agent import Agent
-from wcviz.check import check_agents
+from wcviz.endstate import check_agents
 from wcviz.cli import main as cli
 from wcviz.endstate import EngineLeftPoisoned, ResetNotCovered, poison_
 
@@ -93,7 +93,7 @@ def test_failed_reload_on_one_rank_is_reported_as_poisoned(ranks: list[Rank]) ->
     report = check_agents(_urls(ranks), token=TOKEN)
     assert report.poisoned["rank"].tolist() == [0]
     assert "checkpoint shard 2 is unreadable" in report.poisoned["error"].iloc[0]
-    assert report.summary().splitlines()[0].startswith("RELOAD FAILED on engine 0 (pp=0 tp=0): still poisoned")
+    assert report.summary.splitlines()[0].startswith("RELOAD FAILED on engine 0 (pp=0 tp=0): still poisoned")
     v = report.verdicts
     assert set(v.loc[v["rank"] == 0, "status"]) == {"unwritten"} and set(v.loc[v["rank"] == 1, "status"]) == {"match"}
 
@@ -116,7 +116,7 @@ def test_a_rank_that_never_answers_is_unreachable_not_missing(ranks: list[Rank])
     assert int(ghost["tp"].iloc[0]) == 2
     assert set(v.loc[v["rank"] != 2, "status"]) == {"match"}
     assert set(report.problems["url"]) == {dead} and not report.ok
-    assert "end-state check: 3 ranks, 8 parameters: 1 rank unreachable (rank 2 (pp=0 tp=2): did not answer), 8 match" in report.summary()
+    assert "end-state check: 3 ranks, 8 parameters: 1 rank unreachable (rank 2 (pp=0 tp=2): did not answer), 8 match" in report.summary
 
 
 def test_wrong_token_is_a_problem_on_every_rank_not_a_pass(ranks: list[Rank]) -> None:
@@ -236,4 +236,4 @@ def test_an_empty_rank_fails_the_check_by_name(ranks: list[Rank]) -> None:
     assert not report.ok
     v = report.verdicts
     assert v.loc[v["rank"] == 2, "status"].tolist() == ["empty"]
-    assert "1 rank empty (rank 2 (pp=0 tp=2): answered with no parameters)" in report.summary()
+    assert "1 rank empty (rank 2 (pp=0 tp=2): answered with no parameters)" in report.summary

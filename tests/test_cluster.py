@@ -22,7 +22,7 @@ import pandas as pd
 import pytest
 import torch
 
-from wcviz.check import check_agents
+from wcviz.endstate import check_agents
 from wcviz.sim import TINY, Cluster, ClusterError, EngineLayout, EngineShard, LoaderFaults, build_state_dict, step
 from wcviz.sources import act, fetch
 
@@ -133,7 +133,7 @@ def test_healthy_update_all_match_and_transport_verified(healthy: Cluster) -> No
     report = healthy.endstate()
     assert report.ok and len(report.verdicts) == 42 and _bad(report) == set()
     assert report.transport.verified and report.transport.ok and sorted(report.transport.ranks) == [0, 1, 2, 3]
-    assert report.summary() == "end-state check: 4 ranks, 42 parameters: 42 match"
+    assert report.summary == "end-state check: 4 ranks, 42 parameters: 42 match"
 
 
 def _expected(fault: str) -> set[tuple[int, str, str]]:
@@ -182,7 +182,7 @@ def test_swapped_ranks_are_named_as_holding_each_other(healthy: Cluster) -> None
     on0 = set(bad.loc[bad["rank"] == 0, "same_as"])
     on1 = set(bad.loc[bad["rank"] == 1, "same_as"])
     assert on0 == {"rank 1 (dp=0 pp=0 tp=1)"} and on1 == {"rank 0 (dp=0 pp=0 tp=0)"}
-    assert "hold another rank's snapshot" in report.summary()
+    assert "hold another rank's snapshot" in report.summary
 
 
 def test_cast_fault_corrupts_exactly_the_params_whose_bits_change(healthy: Cluster) -> None:
@@ -215,7 +215,7 @@ def test_failed_reload_leaves_the_report_pointing_at_the_poisoned_ranks(healthy:
     """Agents with no checkpoint to reload from: every reload fails, the report says so first."""
     report = check_agents(healthy.urls("engine"), token=healthy.token)
     assert sorted(report.poisoned["rank"].tolist()) == [0, 1, 2, 3]
-    assert report.summary().startswith("RELOAD FAILED on engine 0 (dp=0 pp=0 tp=0), engine 1 (dp=0 pp=0 tp=1)")
+    assert report.summary.startswith("RELOAD FAILED on engine 0 (dp=0 pp=0 tp=0), engine 1 (dp=0 pp=0 tp=1)")
     assert "no checkpoint to reload from" in report.poisoned["error"].iloc[0]
     assert set(report.verdicts["status"]) == {"unwritten"} and not report.ok
     healthy.refit()  # heal: the engines are poisoned until the update runs again
@@ -276,7 +276,7 @@ def test_dead_rank_is_unreachable_in_fetch_and_verdicts() -> None:
         v = report.verdicts
         assert set(v.loc[v["rank"] == 1, "status"]) == {"unreachable"} and v.loc[v["rank"] == 1, "name"].isna().all()
         assert set(v.loc[v["rank"] == 0, "status"]) == {"match"} and (v["rank"] == 0).sum() == 21
-        assert "2 ranks, 21 parameters: 1 rank unreachable (rank 1 (dp=0 pp=0 tp=1): did not answer), 21 match" in report.summary()
+        assert "2 ranks, 21 parameters: 1 rank unreachable (rank 1 (dp=0 pp=0 tp=1): did not answer), 21 match" in report.summary
         assert not report.ok and set(report.problems["rank"]) == {1}
         with pytest.raises(ClusterError, match=r"engine rank 1 \(dp=0 pp=0 tp=1\) is dead"):
             c.refit()
@@ -288,7 +288,7 @@ def test_dead_rank_is_unreachable_in_fetch_and_verdicts() -> None:
         assert v.loc[v["rank"] == 1, ["status", "dp", "pp", "tp"]].values.tolist() == [["unreachable", 0, 0, 1]]
         assert not len(report.poisoned) and report.transport is None
         assert any("is dead, so the reload could not be a refit" in n for n in report.notes)
-        assert "note: engine rank 1 (dp=0 pp=0 tp=1) is dead" in report.summary()
+        assert "note: engine rank 1 (dp=0 pp=0 tp=1) is dead" in report.summary
 
 
 DRIVER = textwrap.dedent(

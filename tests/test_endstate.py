@@ -478,3 +478,14 @@ def test_an_empty_rank_is_named_never_a_pass():
     assert len(ghost) == 1 and ghost["status"].iloc[0] == "empty" and pd.isna(ghost["name"].iloc[0])
     assert "1 rank empty (rank 4 (pp=2 tp=0): answered with no parameters)" in summary(v)
     assert "empty" in ENDSTATE_STATUSES
+
+
+def test_summary_is_a_property_and_calling_it_still_works():
+    """``EndStateReport.summary`` is a property like every other summary; ``report.summary()`` keeps working."""
+    from wcviz.endstate import EndStateReport, PROBLEM_COLUMNS
+
+    v = classify(*_phases(Engine()))
+    problems = pd.DataFrame({c: pd.Series(dtype="string") for c in PROBLEM_COLUMNS})
+    report = EndStateReport(verdicts=v, frames={}, problems=problems)
+    assert report.summary == "end-state check: 4 ranks, 16 parameters: 16 match"
+    assert report.summary() == report.summary and str(report) == report.summary

@@ -29,7 +29,7 @@ from wcviz.agent import Agent, _host_of
 from wcviz.frame import read_table
 from wcviz.refit import RefitProtocolError
 from wcviz.refit._shm import BufferHandle, HandleError
-from wcviz.refit.ipc import _decode
+from wcviz.refit._control import _decode
 from wcviz.sources._safetensors import checkpoint_files, from_safetensors, read_header
 
 EXAMPLES = int(os.environ.get("WCVIZ_FUZZ_EXAMPLES", "150"))  # raise it for a long run; CI keeps the suite quick

@@ -94,3 +94,80 @@ def test_readme_mentions_every_notebook_and_make_target() -> None:
     makefile = (REPO / "Makefile").read_text()
     for target in ("demo", "test", "lab", "bench"):
         assert f"\n{target}:" in makefile and f"make {target}" in text, target
+
+
+# --------------------------------------------------------------------------- the shape of the code
+
+
+def _modules() -> dict[str, Path]:
+    package = REPO / "wcviz"
+    out = {}
+    for path in package.rglob("*.py"):
+        parts = list(path.relative_to(REPO).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    return out
+
+
+def test_no_module_over_600_lines_and_no_class_over_350() -> None:
+    import ast
+
+    big, classes = [], []
+    for name, path in _modules().items():
+        text = path.read_text()
+        if len(text.splitlines()) > 600:
+            big.append(f"{name}: {len(text.splitlines())} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > 350:
+                classes.append(f"{name}.{node.name}: {node.end_lineno - node.lineno + 1} lines")
+    assert big == [] and classes == []
+
+
+def test_no_private_name_is_imported_across_packages_and_no_import_circle() -> None:
+    """A private module or name (``_x``) is used only by its own package and the packages inside it; the
+    module-level imports between wcviz's modules form no cycle."""
+    import ast
+
+    mods = _modules()
+
+    def package_of(mod: str) -> str:
+        return mod if mods[mod].name == "__init__.py" else mod.rsplit(".", 1)[0]
+
+    def private(mod: str) -> bool:
+        return any(p.startswith("_") and not p.startswith("__") for p in mod.split("."))
+
+    crossing, edges = [], {m: set() for m in mods}
+    for mod, path in mods.items():
+        tree = ast.parse(path.read_text())
+        top = {id(n) for n in tree.body}
+        here = package_of(mod)
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("wcviz")):
+                continue
+            for alias in node.names:
+                full = f"{node.module}.{alias.name}"
+                target = full if full in mods else node.module
+                owner = package_of(target) if target in mods else target
+                if (private(target) or (alias.name.startswith("_") and full not in mods)) and not (
+                    here == owner or here.startswith(owner + ".")
+                ):
+                    crossing.append(f"{mod} imports {full}")
+                if id(node) in top and target in mods:
+                    edges[mod].add(target)
+    assert crossing == []
+
+    def cycle_from(start: str) -> list[str] | None:
+        stack, seen = [(start, [start])], set()
+        while stack:
+            node, path = stack.pop()
+            for nxt in edges[node]:
+                if nxt == start:
+                    return [*path, nxt]
+                if nxt not in seen:
+                    seen.add(nxt)
+                    stack.append((nxt, [*path, nxt]))
+        return None
+
+    cycles = [c for m in mods if (c := cycle_from(m)) is not None and c[0] == m]
+    assert cycles == [], cycles[:3]

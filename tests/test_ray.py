@@ -153,7 +153,7 @@ def test_rows_alone_identify_the_actor(actors: list[Any]) -> None:
 def test_expected_identity_is_checked(actors: list[Any]) -> None:
     res = from_ray_actors({actors[0]: {"role": "engine", "rank": 0}, actors[1]: {"role": "engine", "rank": 5}})
     assert res.answered == 1
-    assert "the actor says rank=1 but was expected to be rank=5" in res.failed["error"].iloc[0]
+    assert "the actor says rank=1 but it was expected to serve rank=5" in res.failed["error"].iloc[0]
     with pytest.raises(ValueError, match="unknown key"):
         from_ray_actors({actors[0]: {"tensor": 0}})
     with pytest.raises(ValueError, match="given twice"):

@@ -562,8 +562,8 @@ def test_metadata_drift_of_another_size_is_a_protocol_error_naming_rank_and_para
     parts = dict(re.findall(r"rank (\d+): (.*?)(?=; rank \d+: |$)", message))
     assert sorted(parts) == ["1", "2"], message
     rank1, rank2 = parts["1"], parts["2"]
-    assert f"{V} is bfloat16[12, 16] (384 bytes) there, bfloat16[8, 16] (256 bytes) sent" in rank1
-    assert f"{K} is bfloat16[24, 16] (768 bytes) there" in rank2 and f"{STEPS} is not in its metadata" in rank2
+    assert f"{V} is bfloat16 [12, 16] (384 bytes) there, bfloat16 [8, 16] (256 bytes) sent" in rank1
+    assert f"{K} is bfloat16 [24, 16] (768 bytes) there" in rank2 and f"{STEPS} is not in its metadata" in rank2
     assert "bucket 1 (" in rank2 and "bucket 5 (" in rank2 and "not loaded" in rank2
     # rank 2 did not load the two buckets it could not slice, and says so itself
     engine2 = rec(world, "drift other size", 2)
@@ -624,13 +624,12 @@ def test_construction_checks():
 
 
 def test_shift_and_swap_helpers():
-    from wcviz.refit.broadcast import _Swapper
-    from wcviz.refit.faults import shifted
+    from wcviz.refit.faults import Swapper, shifted
 
     t = torch.arange(1, 5, dtype=torch.int32)
     assert shifted(t, 4).tolist() == [0, 1, 2, 3]
     assert shifted(t, 100).tolist() == [0, 0, 0, 0]
-    swap = _Swapper([Fault("swap_params", "wire", ("a", "b"))])
+    swap = Swapper([Fault("swap_params", "wire", ("a", "b"))])
     a, b = torch.ones(2, dtype=torch.float32), torch.tensor([5, 6], dtype=torch.int32)
     assert swap("x", t) == [("x", t)]
     assert swap("a", a) == []

@@ -530,7 +530,7 @@ def test_receiver_refuses_a_batch_that_does_not_add_up(worker: Worker) -> None:
         assert worker.report()["error"] is None
         worker.start(sender.address, metadata={**META, name: ((32, 32), "float32")})  # 4096 bytes, not 8192
         with pytest.raises(
-            RefitProtocolError, match=rf"refused batch \d+ \(.*{name}.*\).*{name} \(float32 \[32, 32\], 4096 bytes\)"
+            RefitProtocolError, match=rf"refused batch \d+ \(.*{name}.*\).*{name} float32 \[32, 32\] \(4096 bytes\)"
         ):
             sender.send(MODEL)
         report = worker.report()

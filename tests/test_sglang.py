@@ -23,11 +23,10 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from wcviz._errors import AlgorithmMismatch
-from wcviz.endstate import EngineLeftPoisoned
+from wcviz.endstate import EngineLeftPoisoned, sglang_endstate
 from wcviz.sim.engine import EngineShard, LoaderFaults
 from wcviz.sim.model import TINY, build_state_dict
-from wcviz.sources import from_named_tensors
-from wcviz.sources._sglang import EngineEndpointError, from_sglang, sglang_action, sglang_endstate
+from wcviz.sources import EngineEndpointError, from_named_tensors, from_sglang, sglang_action
 from wcviz.verdicts import compare
 
 SD = build_state_dict(TINY)

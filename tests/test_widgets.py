@@ -168,9 +168,9 @@ def test_reload_and_compare_name_the_skipped_parameter(ranks: list[Rank]) -> Non
     assert [(int(r.rank), int(r.tp), r.name) for r in bad.itertuples()] == [
         (1, 1, "model.layers.2.mlp.down_proj.weight")
     ]
-    assert dash.status_text == "2 of 2 ranks answered; 1 parameter unwritten on 1 rank; 7 match"
+    assert dash.status_text == "2 of 2 ranks answered; 1 unwritten on 1 rank; 7 match"
     assert dash.report is not None and not dash.report.ok and set(dash.frames) == {"snapshot", "reset", "reload"}
-    assert "unwritten on 1 rank (rank 1 (pp=0 tp=1))" in dash.report.summary()
+    assert "unwritten on 1 rank (rank 1 (pp=0 tp=1))" in dash.report.summary
     assert dash.error_text == ""
     assert "wcviz-heatmap" in _classes(_shown(dash)) and bytes(_shown(dash).value[:8]) == PNG
     assert list(dash.status.options) == [
@@ -343,8 +343,8 @@ def test_endstate_frames_in_memory() -> None:
         b = dash.buttons[name]
         assert b.disabled and b.tooltip == "frames in memory: there are no agents to fetch from or act on", name
     assert not dash.buttons["compare"].disabled
-    assert dash.status_text == "2 ranks; 1 parameter unwritten on 1 rank; 7 match"
-    assert dash.report is not None and "unwritten on 1 rank (rank 0 (pp=0 tp=0))" in dash.report.summary()
+    assert dash.status_text == "2 ranks; 1 unwritten on 1 rank; 7 match"
+    assert dash.report is not None and "unwritten on 1 rank (rank 0 (pp=0 tp=0))" in dash.report.summary
     dash.verdicts = None
     dash.buttons["compare"].click()
     assert dash.verdicts["status"].value_counts().to_dict() == {"match": 7, "unwritten": 1}
@@ -371,7 +371,7 @@ def test_expected_actual_frames_and_role_filter() -> None:
         ignore_index=True,
     )
     dash = Dashboard({"expected": expected, "actual": actual})
-    assert dash.status_text == "2 ranks; 1 parameter mismatch on 1 rank; 7 match"
+    assert dash.status_text == "2 ranks; 1 mismatch on 1 rank; 7 match"
     assert list(dash.role.options) == [("all", "all"), ("engine", "engine"), ("trainer", "trainer")]
     dash.set_view("table")
     dash.role.value = "engine"
@@ -394,7 +394,7 @@ def test_verdict_frame_in_memory() -> None:
         "status": pd.array(["match", "match", "corrupted", "match"], dtype="string"),
     })  # fmt: skip
     dash = Dashboard(v)
-    assert dash.status_text == "2 ranks; 1 parameter corrupted on 1 rank; 3 match"
+    assert dash.status_text == "2 ranks; 1 corrupted on 1 rank; 3 match"
     assert "wcviz-heatmap" in _classes(_shown(dash))
     dash.set_view("table")
     dash.status.value = "not match"
@@ -406,7 +406,7 @@ def test_verdict_frame_in_memory() -> None:
         dash.error_text
         == "view: ValueError: the drill-down needs digests: this verdict frame has no digest_<phase> columns"
     )
-    assert dash.status_text == "2 ranks; 1 parameter corrupted on 1 rank; 3 match"  # the status stays the check's
+    assert dash.status_text == "2 ranks; 1 corrupted on 1 rank; 3 match"  # the status stays the check's
 
 
 def test_source_errors() -> None:
@@ -419,19 +419,38 @@ def test_source_errors() -> None:
 
 
 def test_nothing_else_in_wcviz_imports_the_widgets() -> None:
-    """ipywidgets stays optional: only wcviz/widgets.py imports it, and no module imports wcviz.widgets."""
+    """ipywidgets stays optional: only wcviz/widgets/view.py imports it, and nothing outside wcviz/widgets imports them."""
     package = Path(wcviz.__file__).parent
     offenders = []
     for path in sorted(package.rglob("*.py")):
-        if path.name == "widgets.py" and path.parent == package:
-            continue
+        inside = path.parent == package / "widgets"
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
             if isinstance(node, ast.ImportFrom):
                 names = [node.module or ""] + [f"{node.module}.{a.name}" for a in node.names]
-            if any(n.split(".")[0] == "ipywidgets" or n.startswith("wcviz.widgets") for n in names):
+            ipy = any(n.split(".")[0] == "ipywidgets" for n in names)
+            ours = any(n.startswith("wcviz.widgets") for n in names)
+            if (ipy and path.name != "view.py") or (ours and not inside):
                 offenders.append(f"{path.relative_to(package)}:{node.lineno}")
     assert offenders == []
+
+
+def test_the_state_works_without_ipywidgets() -> None:
+    """The dashboard's logic is plain Python: the state runs in a process where ipywidgets cannot be imported."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['ipywidgets'] = None\n"
+        "import pandas as pd\n"
+        "from wcviz.widgets.state import DashboardState\n"
+        "v = pd.DataFrame({'rank': pd.array([0, 1], dtype='Int64'), 'tp': pd.array([0, 1], dtype='Int64'),\n"
+        "                  'name': ['a.weight', 'a.weight'], 'status': ['match', 'unwritten']})\n"
+        "s = DashboardState(v); s.status_filter = 'unwritten'\n"
+        "print(s.status_text); print(s.table['rank'].tolist())\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.splitlines()
+    assert out == ["2 ranks; 1 unwritten on 1 rank; 1 match", "[1]"]
 
 
 # --------------------------------------------------------------------------- a real cluster
@@ -456,7 +475,7 @@ def test_cluster_dashboard_finds_the_loader_fault() -> None:
         assert set(bad["rank"]) == {1} and set(bad["status"]) == {"unwritten"}
         assert (
             dash.status_text
-            == f"2 of 2 ranks answered; {len(bad)} parameters unwritten on 1 rank; {n - len(bad)} match"
+            == f"2 of 2 ranks answered; {len(bad)} unwritten on 1 rank; {n - len(bad)} match"
         )
         dash.set_view("topology")
         assert "wcviz-topology" in _classes(_shown(dash)) and bytes(_shown(dash).value[:8]) == PNG

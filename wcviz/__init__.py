@@ -25,7 +25,7 @@ _EXPORTS = {
     "from_safetensors": "wcviz.sources",
     "compare": "wcviz.verdicts",
     "fetch": "wcviz.sources",
-    "check_agents": "wcviz.check",
+    "check_agents": "wcviz.endstate",
     "GatherError": "wcviz._errors",
     "read_table": "wcviz.frame",
     "write_table": "wcviz.frame",
@@ -66,7 +66,7 @@ assert set(__all__) == {*_EXPORTS, "__version__"}
 
 if TYPE_CHECKING:
     from wcviz._errors import AlgorithmMismatch, CheckpointError, DigestError, GatherError, TableError, WcvizError
-    from wcviz.check import check_agents
+    from wcviz.endstate import check_agents
     from wcviz.verdicts import compare
     from wcviz.digest import ALGORITHMS, BACKENDS, Digest, compare_digests, digest_hex, digest_many, tensor_digest
     from wcviz.frame import COLUMNS, read_table, write_table

@@ -159,7 +159,7 @@ def _compare(args: argparse.Namespace) -> int:
 
 
 def _fetch(args: argparse.Namespace) -> int:
-    from wcviz.frame import write_table
+    from wcviz.frame import IDENTITY, write_table
     from wcviz.sources import fetch
 
     res = fetch(args.urls, timeout_s=args.timeout, retries=args.retries, name=args.name)
@@ -167,14 +167,14 @@ def _fetch(args: argparse.Namespace) -> int:
         write_table(res.frame, args.out)
         print(f"wrote {len(res.frame)} digests to {args.out}", file=sys.stderr)
     elif len(res.frame):
-        cols = ["role", "rank"] + [c for c in ("dp", "pp", "tp", "ep") if res.frame[c].notna().any()] + _TABLE_COLUMNS
+        cols = ["role", "rank"] + [c for c in IDENTITY[1:] if res.frame[c].notna().any()] + _TABLE_COLUMNS
         print(res.frame[cols].to_string(index=False))
     print(res.summary)
     return 0 if res.complete else 1
 
 
 def _endstate(args: argparse.Namespace) -> int:
-    from wcviz.check import check_agents
+    from wcviz.endstate import check_agents
     from wcviz.views import layer_rank_text
 
     if not args.yes_reset:
@@ -197,7 +197,7 @@ def _endstate(args: argparse.Namespace) -> int:
         print(f"wrote verdicts and {len(report.frames)} phase tables to {out}", file=sys.stderr)
     print(layer_rank_text(report.verdicts))
     print(report.details())
-    print(report.summary())
+    print(report.summary)
     return 0 if report.ok else 1
 
 

@@ -78,7 +78,7 @@ def run(fault: str = "skip", out: str | Path = "demo-out", *, tp: int = 2, pp: i
         _say(layer_rank_text(report.verdicts))
         _say("")
         _say(report.details())
-        _say(report.summary())
+        _say(report.summary)
         paths = [write_table(f, out / f"{phase}.parquet") for phase, f in report.frames.items()]
         report.verdicts.to_parquet(out / "verdicts.parquet", index=False)
         paths.append(out / "verdicts.parquet")

@@ -66,6 +66,8 @@ __all__ = [
     "table_text",
     "json_cell",
     "check_identities",
+    "check_rank_info",
+    "check_unique_keys",
     "TABLE_SUFFIXES",
 ]
 
@@ -252,9 +254,30 @@ def _checked_digests(frame: pd.DataFrame, source: str) -> pd.Series:
     raise TableError(f"{source}: row {i} ({frame['name'].iloc[i]!r}): {digest_format_error(algos.iloc[i], frame['digest'].iloc[i])}")
 
 
+def check_rank_info(rank_info: Mapping[str, Any]) -> dict[str, Any]:
+    """The rank fields a source was given (:data:`RANK_FIELDS`), or a ``TypeError`` naming the unknown ones."""
+    unknown = sorted(set(rank_info) - set(RANK_FIELDS))
+    if unknown:
+        raise TypeError(f"unknown rank field(s) {', '.join(unknown)}; allowed: {', '.join(RANK_FIELDS)}")
+    return dict(rank_info)
+
+
+def check_unique_keys(df: pd.DataFrame, keys: Sequence[str], source: str) -> None:
+    """Refuse rows that share ``keys`` (a rank's parameter twice): a TableError naming the first."""
+    dup = df.duplicated(list(keys), keep=False)
+    if dup.any():
+        first = df.loc[dup, list(keys)].iloc[0].to_dict()
+        where = ", ".join(f"{k}={v}" for k, v in first.items() if not pd.isna(v))
+        raise TableError(
+            f"{source} table has {int(dup.sum())} rows that share a (rank, name) key, first: {where}; "
+            "select one phase/step before comparing"
+        )
+
+
 def _coords(row: Mapping[str, Any]) -> str:
-    shown = " ".join(f"{c}={int(row[c])}" for c in IDENTITY if not pd.isna(row[c]))
-    return f"({shown or 'no coordinates'})"
+    from wcviz._text import rank_label
+
+    return rank_label(row, "coords")
 
 
 def check_identities(df: pd.DataFrame, source: str = "table") -> None:

@@ -1,18 +1,35 @@
-"""Verdicts: turn an expected and an actual digest table into one row per (rank, name).
+"""Verdicts: what a comparison or an end-state check concluded, one row per (rank, parameter).
 
-Statuses (see :data:`STATUSES`):
+This module owns the vocabulary every verdict frame speaks and every view reads: the
+statuses, their order of severity, the columns, and the one-line summary.
 
-- ``match``       same digest, same dtype and shape;
-- ``mismatch``    same dtype and shape, different digest: the values differ;
-- ``drift``       same name, different dtype or shape;
-- ``missing``     expected but absent on that rank;
-- ``unexpected``  present on that rank but never expected.
+Statuses, worst first (:data:`SEVERITY`):
 
-Verdict columns: the identity columns (``rank``, ``dp``, ``pp``, ``tp``,
-``ep``), ``name``, ``status``, ``algo``, then ``digest``/``dtype``/``shape``/
-``nbytes`` with ``_expected`` and ``_actual`` suffixes side by side, and
-``layer``, ``block``, ``expert``, ``role_actual``, ``host`` for grouping.
-Comparison never fetches: it only reads frames.
+============  =================================================================  ==========
+status        meaning                                                            made by
+============  =================================================================  ==========
+corrupted     the reload holds a third value: neither the snapshot nor the reset  end-state
+mismatch      same dtype and shape, different digest: the values differ          compare
+drift         same name, different dtype or shape                                compare
+unwritten     the reload still holds the reset pattern: the update never wrote it end-state
+missing       expected (or in the snapshot), absent on that rank                 both
+empty         the rank answered with no parameters at all                        end-state
+unreachable   the rank did not answer: nothing about it is proven                end-state
+unexpected    present on that rank, never expected (or not in the snapshot)      both
+unproven      equal to the snapshot, but the reset did not prove it was rewritten end-state
+match         same digest (and, in the end-state check, a reset that proves it)  both
+============  =================================================================  ==========
+
+Verdict columns, both kinds: the identity columns (``rank``, ``dp``, ``pp``, ``tp``,
+``ep``), ``name``, ``status``, ``algo``, ``layer``, ``block``, ``expert``, ``host``.
+Then, from :func:`compare`: ``digest``/``dtype``/``shape``/``nbytes``/``role``/``phase``
+with ``_expected`` and ``_actual`` suffixes side by side; from
+:func:`wcviz.endstate.classify`: ``digest_snapshot``, ``digest_reset``,
+``digest_reload``, ``dtype``, ``shape``, ``nbytes``, ``dtype_reload``,
+``shape_reload``, ``reset_covered``, ``rank_absent``, ``same_as``. A whole-rank status
+(``empty``, ``unreachable``) on a rank without rows is one row with no ``name``.
+
+Nothing here fetches: verdicts are made from frames and read by views.
 """
 
 from __future__ import annotations
@@ -20,17 +37,31 @@ from __future__ import annotations
 import pandas as pd
 
 from wcviz._errors import AlgorithmMismatch, TableError
-from wcviz.frame import IDENTITY, check_identities, validate
+from wcviz._text import listing, plural, rank_label
+from wcviz.frame import IDENTITY, check_identities, check_unique_keys, validate
 
-__all__ = ["SEVERITY", "STATUSES", "compare", "differences", "counts"]
+__all__ = [
+    "ENDSTATE_STATUSES",
+    "SEVERITY",
+    "STATUSES",
+    "WHOLE_RANK",
+    "compare",
+    "counts",
+    "differences",
+    "status_parts",
+    "summary",
+]
 
-STATUSES = ("mismatch", "drift", "missing", "unexpected", "match")  # most severe first
-# Every status a verdict frame may hold, worst first: compare()'s and the end-state check's
-# (wcviz.endstate.ENDSTATE_STATUSES), one order for every view.
-SEVERITY = (
+STATUSES = ("mismatch", "drift", "missing", "unexpected", "match")  # compare(), most severe first
+ENDSTATE_STATUSES = (  # the end-state check, most severe first
+    "corrupted", "unwritten", "missing", "empty", "unreachable", "unexpected", "unproven", "match",
+)  # fmt: skip
+SEVERITY = (  # every status a verdict frame may hold, worst first: one order for every view
     "corrupted", "mismatch", "drift", "unwritten", "missing", "empty", "unreachable", "unexpected", "unproven", "match",
 )  # fmt: skip
+WHOLE_RANK = {"unreachable": "did not answer", "empty": "answered with no parameters"}  # statuses of a whole rank
 _SIDE = ("digest", "dtype", "shape", "nbytes", "role", "phase")
+_KEYS = [*IDENTITY, "name"]
 
 
 def _algo(df: pd.DataFrame, label: str) -> str | None:
@@ -38,17 +69,6 @@ def _algo(df: pd.DataFrame, label: str) -> str | None:
     if len(algos) > 1:
         raise AlgorithmMismatch(f"{label} table mixes digest algorithms: {', '.join(algos)}")
     return algos[0] if algos else None
-
-
-def _check_unique(df: pd.DataFrame, keys: list[str], label: str) -> None:
-    dup = df.duplicated(keys, keep=False)
-    if dup.any():
-        first = df.loc[dup, keys].iloc[0].to_dict()
-        where = ", ".join(f"{k}={v}" for k, v in first.items() if not pd.isna(v))
-        raise TableError(
-            f"{label} table has {int(dup.sum())} rows that share a (rank, name) key, first: {where}; "
-            "select one phase/step before comparing"
-        )
 
 
 def _broadcast(expected: pd.DataFrame, actual: pd.DataFrame) -> pd.DataFrame:
@@ -77,6 +97,13 @@ def _differs(m: pd.DataFrame, col: str) -> pd.Series:
     return (left.notna() & right.notna() & (left != right)).fillna(False).astype(bool)
 
 
+def worst_first(out: pd.DataFrame, order: tuple[str, ...] = SEVERITY) -> pd.DataFrame:
+    """``out`` sorted most severe first, then by rank identity and name (NA first)."""
+    rank = out["status"].map({s: i for i, s in enumerate(order)}).astype(int)
+    out = out.assign(_o=rank).sort_values(["_o", *IDENTITY, "name"], na_position="first", kind="stable")
+    return out.drop(columns="_o").reset_index(drop=True)
+
+
 def compare(expected: pd.DataFrame, actual: pd.DataFrame) -> pd.DataFrame:
     """One verdict per (rank identity, name), most severe first, both digests side by side.
 
@@ -92,24 +119,22 @@ def compare(expected: pd.DataFrame, actual: pd.DataFrame) -> pd.DataFrame:
         raise AlgorithmMismatch(f"cannot compare {a_exp} digests (expected) with {a_act} digests (actual)")
     exp = _broadcast(exp, act)
     _check_coordinates(exp, act)
-    keys = [*IDENTITY, "name"]
-    _check_unique(exp, keys, "expected")
-    _check_unique(act, keys, "actual")
+    check_unique_keys(exp, _KEYS, "expected")
+    check_unique_keys(act, _KEYS, "actual")
     side = list(_SIDE)
-    left = exp[keys + side + ["layer", "block", "expert"]]
-    right = act[keys + side + ["host", "layer", "block", "expert"]]
-    m = left.merge(right, on=keys, how="outer", suffixes=("_expected", "_actual"), indicator=True)
+    left = exp[_KEYS + side + ["layer", "block", "expert"]]
+    right = act[_KEYS + side + ["host", "layer", "block", "expert"]]
+    m = left.merge(right, on=_KEYS, how="outer", suffixes=("_expected", "_actual"), indicator=True)
     both = m["_merge"] == "both"
     # drift needs both sides to state a dtype/shape and disagree: a table that omits them (NA) is not drift
     same_kind = ~(_differs(m, "dtype") | _differs(m, "shape"))
-    same_digest = m["digest_expected"].str.lower() == m["digest_actual"].str.lower()
+    same_digest = (m["digest_expected"].str.lower() == m["digest_actual"].str.lower()).fillna(False).astype(bool)
     status = pd.Series("missing", index=m.index, dtype="string")
     status[m["_merge"] == "right_only"] = "unexpected"
-    same_digest = same_digest.fillna(False).astype(bool)
     status[both & ~same_kind] = "drift"
     status[both & same_kind & ~same_digest] = "mismatch"
     status[both & same_kind & same_digest] = "match"
-    out = m[keys].copy()
+    out = m[_KEYS].copy()
     out["status"] = status
     out["algo"] = pd.Series(a_exp or a_act, index=m.index, dtype="string")
     for col in side:
@@ -118,9 +143,7 @@ def compare(expected: pd.DataFrame, actual: pd.DataFrame) -> pd.DataFrame:
     for col in ("layer", "block", "expert"):
         out[col] = m[f"{col}_expected"].fillna(m[f"{col}_actual"])
     out["host"] = m["host"]
-    order = out["status"].map({s: i for i, s in enumerate(STATUSES)}).astype(int)
-    out = out.assign(_o=order).sort_values(["_o", *IDENTITY, "name"], na_position="first", kind="stable")
-    return out.drop(columns="_o").reset_index(drop=True)
+    return worst_first(out, STATUSES)
 
 
 def differences(verdicts: pd.DataFrame) -> pd.DataFrame:
@@ -129,6 +152,75 @@ def differences(verdicts: pd.DataFrame) -> pd.DataFrame:
 
 
 def counts(verdicts: pd.DataFrame) -> dict[str, int]:
-    """Rows per status, every status present (zeros included), most severe first."""
+    """Rows per :func:`compare` status, every one present (zeros included), most severe first."""
     vc = verdicts["status"].value_counts()
     return {s: int(vc.get(s, 0)) for s in STATUSES}
+
+
+def _ids(v: pd.DataFrame) -> pd.DataFrame:
+    return pd.DataFrame({c: (v[c] if c in v else pd.Series(pd.NA, index=v.index, dtype="Int64")) for c in IDENTITY})
+
+
+def status_parts(verdicts: pd.DataFrame, *, name_ranks: bool = True) -> list[str]:
+    """Each status that occurs, worst first: ``2 unwritten on 1 rank (rank 1 (pp=0 tp=1))``, ..., ``40 match``.
+
+    ``name_ranks``: name the ranks (and a rank absent after a reload) and give whole-rank
+    statuses their own form (``1 rank unreachable (rank 2 (tp=2): did not answer)``);
+    without it, every status is a count of rows and of the ranks they are on.
+    """
+    v = verdicts.reset_index(drop=True)
+    ids = _ids(v)
+    located = bool(ids.notna().any().any())
+    names = v["name"] if "name" in v else pd.Series("", index=v.index)
+    absent_col = v["rank_absent"] if "rank_absent" in v else pd.Series(False, index=v.index)
+    parts = []
+    for st in SEVERITY:
+        hit = v["status"] == st
+        if not bool(hit.any()):
+            continue
+        rows = ids[hit.to_numpy()]
+        n = int(hit.sum())
+        if st == "match":
+            parts.append(f"{n:,} match")
+            continue
+        ranks = rows.drop_duplicates()
+        if not name_ranks:
+            parts.append(f"{n:,} {st}" + (f" on {plural(len(ranks), 'rank')}" if located else ""))
+            continue
+        absent = absent_col[hit.to_numpy()].to_numpy()
+        labelled = rows.assign(_absent=absent).drop_duplicates(list(IDENTITY)).sort_values(list(IDENTITY), na_position="first")
+        labels = [
+            rank_label(r) + (": rank absent after reload" if st not in WHOLE_RANK and bool(r["_absent"]) else "")
+            for r in labelled.to_dict(orient="records")
+        ]
+        named = int(names[hit.to_numpy()].notna().sum())
+        if named:
+            parts.append(f"{named:,} {st} on {plural(len(ranks), 'rank')} ({listing(labels)})")
+        else:  # ranks without rows (dead, empty): no parameter to count
+            parts.append(f"{plural(len(ranks), 'rank')} {st} ({listing(labels)}: {WHOLE_RANK.get(st, st)})")
+    return parts
+
+
+def summary(verdicts: pd.DataFrame, title: str = "end-state check") -> str:
+    """The one line a person reads first: ranks, parameters, then each status with the ranks it is on.
+
+    ``end-state check: 4 ranks, 24 parameters: 3 unwritten on 1 rank (rank 1 (pp=0 tp=1)), 21 match``,
+    then what a reader must not miss: ranks holding another rank's snapshot (swapped
+    shards), parameters the reset did not prove, tensors without bytes.
+    """
+    v = verdicts
+    n_ranks = len(_ids(v).drop_duplicates())
+    n_params = int(v["name"].notna().sum()) if "name" in v else len(v)
+    parts = status_parts(v, name_ranks=True)
+    line = f"{title}: {plural(n_ranks, 'rank')}, {n_params:,} parameters: {', '.join(parts) or 'nothing to check'}"
+    swapped = v[v["same_as"].notna()] if "same_as" in v else v.iloc[:0]
+    if len(swapped):
+        pairs = sorted({f"{rank_label(r)} holds {r['same_as']}'s" for r in swapped.to_dict(orient="records")})
+        line += f"; {len(swapped):,} corrupted parameters hold another rank's snapshot ({listing(pairs)})"
+    if (v["status"] == "unproven").any():
+        line += "; unproven: the reset did not prove the update rewrote them"
+    if "reset_covered" in v:
+        bare = int(((v["status"] == "match") & ~v["reset_covered"].astype(bool)).sum())
+        if bare:
+            line += f"; {bare:,} not covered by the reset (tensors without bytes: they match by dtype and shape only)"
+    return line

@@ -16,6 +16,9 @@ from wcviz.digest._api import (
     DIGEST_FORMATS,
     Digest,
     DigestAccumulator,
+    NamedTensors,
+    TensorMeta,
+    as_pairs,
     compare_digests,
     digest_buffer,
     digest_format_error,
@@ -26,20 +29,28 @@ from wcviz.digest._api import (
     resolve_backend,
     tensor_digest,
 )
+from wcviz.digest._fill import FILL_ALGORITHMS, fill_digest
+from wcviz.digest._lanes import logical_bytes
 
 __all__ = [
+    "FILL_ALGORITHMS",
     "ALGORITHMS",
     "BACKENDS",
     "DEFAULT_ALGO",
     "DIGEST_FORMATS",
     "Digest",
     "DigestAccumulator",
+    "NamedTensors",
+    "TensorMeta",
+    "as_pairs",
     "compare_digests",
     "digest_buffer",
     "digest_format_error",
     "digest_hex",
     "digest_many",
     "digest_timed",
+    "fill_digest",
+    "logical_bytes",
     "parse_dtype",
     "resolve_backend",
     "tensor_digest",

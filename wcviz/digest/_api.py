@@ -6,7 +6,7 @@ import logging
 import re
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Union
+from typing import TYPE_CHECKING, Any, NamedTuple, Union
 
 from wcviz._errors import AlgorithmMismatch, DigestError
 from wcviz.digest import _lanes, _spec
@@ -29,6 +29,9 @@ __all__ = [
     "digest_timed",
     "digest_buffer",
     "compare_digests",
+    "as_pairs",
+    "NamedTensors",
+    "TensorMeta",
     "resolve_backend",
     "parse_dtype",
     "digest_format_error",
@@ -186,6 +189,36 @@ def parse_dtype(dtype: torch.dtype | str) -> torch.dtype:
     return found
 
 
+class TensorMeta(NamedTuple):
+    """What a tensor is apart from its values: its shape and its dtype (PyTorch's name without ``torch.``).
+
+    The one metadata type: what a refit receiver declares for each parameter, what
+    both ends slice and compare with. A plain tuple on the wire (``[shape, dtype]``).
+    """
+
+    shape: tuple[int, ...]
+    dtype: str
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> TensorMeta:
+        return cls(tuple(int(d) for d in t.shape), str(t.dtype).removeprefix("torch."))
+
+    @classmethod
+    def parse(cls, shape: Sequence[int], dtype: Any) -> TensorMeta:
+        """From any shape sequence and a dtype (``torch.bfloat16``, ``"bfloat16"``, ``"torch.bfloat16"``), checked."""
+        return cls(tuple(int(d) for d in shape), str(parse_dtype(dtype)).removeprefix("torch."))
+
+    @property
+    def nbytes(self) -> int:
+        import math
+
+        return math.prod(self.shape) * parse_dtype(self.dtype).itemsize
+
+    def describe(self) -> str:
+        """``bfloat16 [8, 16] (256 bytes)``."""
+        return f"{self.dtype} {list(self.shape)} ({self.nbytes} bytes)"
+
+
 def _words(lanes: torch.Tensor, seed: tuple[int, int], backend: str) -> torch.Tensor:
     """Digest words of an ``int64`` lane tensor with a resolved backend, on its device."""
     import torch
@@ -214,7 +247,7 @@ def _words_many(tensors: Sequence[tuple[str, torch.Tensor]], backend: str) -> to
     import numpy as np
     import torch
 
-    seeds = [_spec.seeds(*_lanes.meta_of(t)) for _, t in tensors]
+    seeds = [_spec.seeds(*_lanes.seed_args(t)) for _, t in tensors]
     if backend == "triton":
         from wcviz.digest import _triton
 
@@ -239,7 +272,7 @@ def tensor_digest(t: torch.Tensor, *, backend: str = "auto", name: str | None = 
     ``name`` only labels errors. Use :func:`digest_hex` for the 32-character form.
     """
     raw = _lanes.logical_bytes(t, name)
-    dtype_name, shape, nbytes = _lanes.meta_of(t)
+    dtype_name, shape, nbytes = _lanes.seed_args(t)
     chosen = resolve_backend(backend, t.device.type, name)
     return _words(_lanes.lanes_of(raw), _spec.seeds(dtype_name, shape, nbytes), chosen)
 
@@ -250,7 +283,7 @@ def _hex_words(words: Sequence[int]) -> Digest:
 
 def _sha256_of(t: torch.Tensor, name: str | None) -> Digest:
     raw = _lanes.logical_bytes(t, name).cpu().numpy()
-    dtype_name, shape, nbytes = _lanes.meta_of(t)
+    dtype_name, shape, nbytes = _lanes.seed_args(t)
     return Digest(sha256_hex(raw.data, dtype_name, shape, nbytes), "sha256")
 
 
@@ -261,7 +294,13 @@ def digest_hex(t: torch.Tensor, *, algo: str = DEFAULT_ALGO, backend: str = "aut
     return _hex_words(tensor_digest(t, backend=backend, name=name).tolist())
 
 
-def _pairs(named_tensors: NamedTensors) -> list[tuple[str, torch.Tensor]]:
+def as_pairs(named_tensors: NamedTensors) -> list[tuple[str, torch.Tensor]]:
+    """Named tensors (a mapping, or ``(name, tensor)`` pairs) as a list of pairs, each name once.
+
+    Anything else is a ``TypeError`` naming the item; a name given twice is a
+    :class:`DigestError` naming it (the tensors themselves are checked where they are
+    read). What every caller that takes named tensors uses.
+    """
     items = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
     seen: set[str] = set()
     dups: list[str] = []
@@ -289,7 +328,7 @@ def digest_timed(
     from tqdm.auto import tqdm
 
     _check_algo(algo)
-    items = _pairs(named_tensors)
+    items = as_pairs(named_tensors)
     chosen = {}
     for name, t in items:  # every input is checked before any work is done
         _lanes.check_digestible(t, name)

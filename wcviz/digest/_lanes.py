@@ -16,9 +16,8 @@ from wcviz._errors import DigestError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["TensorMeta", "check_digestible", "logical_bytes", "lanes_of", "meta_of"]
+__all__ = ["check_digestible", "logical_bytes", "lanes_of", "seed_args"]
 
-TensorMeta = tuple[str, tuple[int, ...], int]  # (str(dtype), shape, nbytes)
 
 
 def _label(name: str | None) -> str:
@@ -40,8 +39,8 @@ def check_digestible(t: object, name: str | None = None) -> None:
         raise DigestError(f"{_label(name)} is on the meta device: it holds no data to digest")
 
 
-def meta_of(t: torch.Tensor) -> TensorMeta:
-    """What the seeds are made from: ``(str(dtype), shape, nbytes)``."""
+def seed_args(t: torch.Tensor) -> tuple[str, tuple[int, ...], int]:
+    """What the seeds are made from: ``(str(dtype), shape, nbytes)`` (the dtype with its ``torch.`` prefix)."""
     return str(t.dtype), tuple(int(d) for d in t.shape), t.numel() * t.element_size()
 
 

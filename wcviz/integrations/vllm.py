@@ -66,6 +66,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from wcviz._names import name_filter
+from wcviz._text import one_line
 
 if TYPE_CHECKING:
     import torch
@@ -165,11 +166,6 @@ def _json_value(v: Any) -> Any:
     return json_cell(v)
 
 
-def _short(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
-
-
 class WcvizWorkerExtension:
     """Methods vLLM mixes into each worker (``worker_extension_cls``); see the module doc."""
 
@@ -223,7 +219,7 @@ class WcvizWorkerExtension:
                 partial = self._wcviz_identity()
             except Exception:  # noqa: BLE001
                 partial = {"role": self.wcviz_role, "host": socket.gethostname(), "pid": os.getpid()}
-            return {**partial, "error": _short(e)}
+            return {**partial, "error": one_line(e)}
 
     def wcviz_digests(self, name_regex: str | None = None, algo: str = "nemo-rl-v3", phase: str = "current") -> dict[str, Any]:
         """``{"info": ..., "rows": [...]}``: digests of the live parameters whose name matches
@@ -236,14 +232,15 @@ class WcvizWorkerExtension:
             keep = name_filter(name_regex)  # RE2: linear time, whatever the request carries
             if keep is not None:
                 named = [(n, t) for n, t in named if keep(n)]
+            from wcviz.frame import IDENTITY
             from wcviz.sources import from_named_tensors
 
-            ident = {k: info[k] for k in ("role", "rank", "dp", "pp", "tp", "ep", "host")}  # no world_size: not a column
+            ident = {k: info[k] for k in ("role", *IDENTITY, "host")}  # no world_size: not a column
             frame = from_named_tensors(named, algo=algo, progress=False, phase=phase, **ident)
             rows = [{k: _json_value(v) for k, v in rec.items()} for rec in frame.to_dict(orient="records")]
             return {"info": info, "rows": rows}
         except Exception as e:  # noqa: BLE001 - answer, don't fail the whole collective_rpc
-            return {"info": info or self.wcviz_info(), "error": _short(e)}
+            return {"info": info or self.wcviz_info(), "error": one_line(e)}
 
     def wcviz_snapshot(self, algo: str = "nemo-rl-v3") -> dict[str, Any]:
         """:meth:`wcviz_digests` of every parameter, stamped phase ``snapshot``."""
@@ -264,5 +261,5 @@ class WcvizWorkerExtension:
         try:
             poison_(named, byte=value)
         except Exception as e:
-            raise RuntimeError(f"wcviz_reset failed on {info['role']} rank {info['rank']} (pid {info['pid']}): {_short(e)}") from e
+            raise RuntimeError(f"wcviz_reset failed on {info['role']} rank {info['rank']} (pid {info['pid']}): {one_line(e)}") from e
         return {"info": info, "ok": True, "params": len(named), "byte": hex(value)}

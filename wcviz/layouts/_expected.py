@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from wcviz._text import listing
 from wcviz.layouts._rules import Family, LayoutError, Rule
 from wcviz.layouts._split import SPLITS, Cut
 from wcviz.layouts._topology import Coords, expert_block, moe_slot, rank_coords, stage_layers
@@ -81,11 +82,6 @@ def _regex(template: str) -> re.Pattern[str]:
     return re.compile(re.escape(template).replace(r"\{L\}", r"(?P<L>\d+)").replace(r"\{E\}", r"(?P<E>\d+)"))
 
 
-def _listing(names: list[str]) -> str:
-    more = f" (+{len(names) - _SHOWN} more)" if len(names) > _SHOWN else ""
-    return ", ".join(names[:_SHOWN]) + more
-
-
 def bind(names: Iterable[str], family: str | Family, *, tie_embeddings: bool | None = None) -> Binding:
     """Match checkpoint ``names`` to ``family``'s rules; LayoutError names any tensor left over or missing.
 
@@ -117,7 +113,7 @@ def bind(names: Iterable[str], family: str | Family, *, tie_embeddings: bool | N
         layers = max(layers, int(groups.get("L") or -1) + 1)
         experts = max(experts, int(groups.get("E") or -1) + 1)
     if uncovered:
-        raise LayoutError(f"family {fam.name} has no rule for {len(uncovered)} tensor(s): {_listing(uncovered)}")
+        raise LayoutError(f"family {fam.name} has no rule for {len(uncovered)} tensor(s): {listing(uncovered, _SHOWN)}")
 
     head = fam.rule(fam.head)
     tied = head not in hit if tie_embeddings is None else bool(tie_embeddings)
@@ -148,7 +144,7 @@ def bind(names: Iterable[str], family: str | Family, *, tie_embeddings: bool | N
     for rule in last:
         add(rule, None)
     if missing:
-        raise LayoutError(f"family {fam.name}: the weights lack {len(missing)} tensor(s): {_listing(missing)}")
+        raise LayoutError(f"family {fam.name}: the weights lack {len(missing)} tensor(s): {listing(missing, _SHOWN)}")
     return Binding(fam, layers, experts, tied, tuple(params), tuple(ignored))
 
 
@@ -311,8 +307,7 @@ def expected_frame(
     (spread over DP ranks too) make them differ.
     """
     from wcviz.digest import DEFAULT_ALGO, digest_timed
-    from wcviz.frame import make_frame, shape_str
-    from wcviz.sources._tensors import check_rank_info
+    from wcviz.frame import check_rank_info, make_frame, shape_str
 
     info = check_rank_info({"role": role, **rank_info})
     info.setdefault("phase", "current")
@@ -356,7 +351,7 @@ class _Checkpoint(Mapping):
     """A safetensors checkpoint as a read-only name -> tensor mapping that reads a tensor when asked."""
 
     def __init__(self, path: str | Path) -> None:
-        from wcviz.sources._safetensors import checkpoint_files
+        from wcviz.sources import checkpoint_files
 
         self.path = Path(path)
         self.where: dict[str, Path] = {}

@@ -1,4 +1,4 @@
-"""Packing named tensors into a staging buffer, and slicing them back out.
+"""Packing named tensors into a staging buffer, slicing them back out, and the metadata both ends slice with.
 
 Shared by every transport that moves bytes in buckets. Each tensor starts at
 an offset aligned to :data:`ALIGN` bytes. The sender plans buckets from its
@@ -10,17 +10,48 @@ when it is not).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+from wcviz.digest import NamedTensors, TensorMeta, as_pairs, logical_bytes
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["ALIGN", "aligned", "Bucket", "plan", "walk", "pack", "unpack", "Meta"]
+__all__ = [
+    "ALIGN", "Bucket", "Meta", "NamedTensors", "aligned", "metadata", "metadata_of", "named_tensors", "nbytes", "pack",
+    "plan", "unpack", "walk",
+]  # fmt: skip
 
 ALIGN = 512
-Meta = tuple[tuple[int, ...], str]  # (shape, dtype name without "torch.")
+Meta = TensorMeta  # (shape, dtype name without "torch."): what a receiver declares for each parameter
+
+
+def nbytes(t: torch.Tensor) -> int:
+    """A tensor's logical bytes: ``numel * element_size``."""
+    return t.numel() * t.element_size()
+
+
+def named_tensors(items: NamedTensors) -> list[tuple[str, torch.Tensor]]:
+    """What a transport sends, as ``(name, tensor)`` pairs: each name once, each value a tensor."""
+    import torch
+
+    pairs = as_pairs(items)
+    for name, t in pairs:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"expected (str, torch.Tensor) pairs, got ({name!r:.60}, {type(t).__name__})")
+    return pairs
+
+
+def metadata_of(items: NamedTensors) -> dict[str, Meta]:
+    """``{name: Meta}`` of an engine's weights: what a receiver slices with."""
+    return {name: Meta.of(t) for name, t in named_tensors(items)}
+
+
+def metadata(declared: Mapping[str, tuple[Iterable[int], Any]]) -> dict[str, Meta]:
+    """Declared ``{name: (shape, dtype)}`` in its exact form (shape tuples of ints, dtype names without ``torch.``)."""
+    return {name: Meta.parse(list(shape), dtype) for name, (shape, dtype) in declared.items()}
 
 
 def aligned(n: int) -> int:
@@ -73,25 +104,20 @@ def walk(names: Sequence[str], metadata: Mapping[str, Meta]) -> tuple[list[tuple
 
     Raises ``KeyError`` naming the first name the metadata does not know.
     """
-    import math
-
-    from wcviz.digest import parse_dtype
-
     out = []
     used = 0
     for name in names:
         if name not in metadata:
             raise KeyError(name)
         shape, dtype = metadata[name]
-        out.append((name, used, (tuple(shape), dtype)))
-        used = aligned(used + math.prod(shape) * parse_dtype(dtype).itemsize)
+        meta = Meta(tuple(int(d) for d in shape), str(dtype))
+        out.append((name, used, meta))
+        used = aligned(used + meta.nbytes)
     return out, used
 
 
 def pack(buf: torch.Tensor, offset: int, t: torch.Tensor) -> None:
     """Copy ``t``'s logical bytes into the ``uint8`` buffer at ``offset``."""
-    from wcviz.digest._lanes import logical_bytes
-
     raw = logical_bytes(t)
     buf[offset : offset + raw.numel()].copy_(raw, non_blocking=True)
 
@@ -106,7 +132,7 @@ def unpack(buf: torch.Tensor, offset: int, meta: Meta) -> torch.Tensor:
 
     shape, dtype = meta
     dt = parse_dtype(dtype)
-    nbytes = math.prod(shape) * dt.itemsize
-    if nbytes == 0:
+    size = math.prod(shape) * dt.itemsize
+    if size == 0:
         return torch.empty(shape, dtype=dt, device=buf.device)
-    return buf[offset : offset + nbytes].view(dt).reshape(shape)
+    return buf[offset : offset + size].view(dt).reshape(shape)

@@ -70,20 +70,20 @@ as it reaches them), not for ``sender_after_digest`` (one buffer goes to all).
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from wcviz.digest import DEFAULT_ALGO, DigestAccumulator, parse_dtype
-from wcviz.digest._lanes import logical_bytes
-from wcviz.refit._packing import ALIGN, Meta, pack, plan, unpack, walk
-from wcviz.refit._transport import Transport
-from wcviz.refit.faults import Fault, FaultPlan, as_like, shifted
+from wcviz.digest import DEFAULT_ALGO, DigestAccumulator, logical_bytes
+from wcviz.refit._group import GroupMember, group_ranks
+from wcviz.refit._packing import ALIGN, Meta, NamedTensors, metadata_of, pack, plan, unpack, walk
+from wcviz.refit._packing import metadata as declared_metadata
+from wcviz.refit._packing import named_tensors as tensor_pairs
+from wcviz.refit.faults import FaultPlan, Swapper, strike
 from wcviz.refit.verify import (
     RefitDigestMismatch,
     RefitError,
@@ -109,8 +109,6 @@ log = logging.getLogger("wcviz.refit")
 
 DEFAULT_BUFFER_BYTES = 256 * 1024 * 1024
 LoadWeights = Callable[[list[tuple[str, torch.Tensor]]], Any]
-NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
-_T = TypeVar("_T")
 
 
 # --- helpers both sides use ------------------------------------------------------------------------------------
@@ -119,167 +117,6 @@ _T = TypeVar("_T")
 def backend_for(device: torch.device | str) -> str:
     """The process-group backend for staging buffers on ``device``: NCCL on CUDA, gloo on the CPU."""
     return "nccl" if torch.device(device).type == "cuda" else "gloo"
-
-
-def _meta(t: torch.Tensor) -> Meta:
-    return tuple(int(d) for d in t.shape), str(t.dtype).removeprefix("torch.")
-
-
-def _nbytes(meta: Meta) -> int:
-    shape, dtype = meta
-    return math.prod(shape) * parse_dtype(dtype).itemsize
-
-
-def _describe(meta: Meta) -> str:
-    return f"{meta[1]}{list(meta[0])} ({_nbytes(meta)} bytes)"
-
-
-def metadata_of(named_tensors: NamedTensors) -> dict[str, Meta]:
-    """``{name: (shape, dtype name)}`` of an engine's weights: what a :class:`BroadcastReceiver` slices with."""
-    items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
-    return {name: _meta(t) for name, t in items}
-
-
-def _metadata(metadata: Mapping[str, tuple[Sequence[int], Any]]) -> dict[str, Meta]:
-    """``metadata`` in its exact form: shape tuples of ints, dtype names without "torch."."""
-    return {
-        name: (tuple(int(d) for d in shape), str(dtype).removeprefix("torch."))
-        for name, (shape, dtype) in metadata.items()
-    }
-
-
-def _pairs(named_tensors: NamedTensors) -> list[tuple[str, torch.Tensor]]:
-    items = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
-    seen: set[str] = set()
-    for name, t in items:
-        if not isinstance(name, str) or not isinstance(t, torch.Tensor):
-            raise TypeError(f"expected (str, torch.Tensor) pairs, got ({name!r:.60}, {type(t).__name__})")
-        if name in seen:
-            raise ValueError(f"parameter {name!r} is sent twice")
-        seen.add(name)
-    return items
-
-
-def _strike(faults: FaultPlan, point: str, name: str, t: torch.Tensor) -> torch.Tensor | None:
-    """``t`` after the per-parameter faults at ``point``: flip_bit, cast_dtype, drop_param, then shift_offset."""
-    out = faults.alter(point, name, t)
-    if out is None:
-        return None
-    shift = sum(f.shift for f in faults.at(point, name, kind="shift_offset"))
-    return shifted(out, shift) if shift else out
-
-
-class _Swapper:
-    """swap_params on a stream: the first of a pair waits (as a copy) until its partner passes by."""
-
-    def __init__(self, faults: Iterable[Fault]) -> None:
-        self.partner: dict[str, str] = {}
-        for f in faults:
-            a, b = f.params
-            self.partner[a], self.partner[b] = b, a
-        self.held: dict[str, torch.Tensor] = {}
-
-    def __call__(self, name: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-        other = self.partner.get(name)
-        if other is None:
-            return [(name, t)]
-        if other not in self.held:
-            self.held[name] = t.clone()
-            return []
-        theirs = self.held.pop(other)
-        what = f"{other!r} and {name!r}"
-        return [(other, as_like(t, theirs, what)), (name, as_like(theirs, t, what))]
-
-    def flush(self) -> list[tuple[str, torch.Tensor]]:
-        """The parameters whose partner never came, unswapped."""
-        out, self.held = list(self.held.items()), {}
-        return out
-
-
-def _group_ranks(group: dist.ProcessGroup | None) -> list[int]:
-    return dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
-
-
-def _timeout(timeout_s: float | timedelta | None) -> timedelta | None:
-    if timeout_s is None or isinstance(timeout_s, timedelta):
-        return timeout_s
-    return timedelta(seconds=float(timeout_s))
-
-
-class _Member(Transport):
-    """What sender and receiver share: the group, the collectives wrapped so a dead peer is a RefitTimeout."""
-
-    def __init__(
-        self,
-        *,
-        verify: Any,
-        src: int,
-        group: dist.ProcessGroup | None,
-        faults: FaultPlan | None,
-        device: torch.device | str | None,
-        backend: str,
-        timeout_s: float | timedelta | None,
-    ) -> None:
-        super().__init__(verify)  # self.mode: off | log | enforce, refused at once if this transport cannot verify
-        self.src = int(src)
-        self.group = group
-        self.faults = faults or FaultPlan()
-        self.backend = backend
-        self.timeout = _timeout(timeout_s)
-        self._device = torch.device(device) if device is not None else None
-
-    @property
-    def rank(self) -> int:
-        """This process's global rank."""
-        return dist.get_rank()
-
-    @property
-    def device(self) -> torch.device:
-        """Where buckets are staged: the given device, else CUDA for an NCCL group and the CPU otherwise."""
-        if self._device is None:
-            if dist.get_backend(self.group) == "nccl":
-                self._device = torch.device("cuda", torch.cuda.current_device())
-            else:
-                self._device = torch.device("cpu")
-        return self._device
-
-    def _collective(self, step: str, fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
-        """Run one collective; a backend failure (timeout, a peer's closed connection) becomes RefitTimeout."""
-        try:
-            return fn(*args, **kwargs)
-        except RefitError:
-            raise
-        except RuntimeError as e:  # gloo and NCCL raise RuntimeError (DistBackendError) subclasses
-            raise RefitTimeout(
-                f"refit broadcast: {step} failed on rank {self.rank}: a peer is dead or did not answer in time ({e})"
-            ) from e
-
-    def _barrier(self, step: str) -> None:
-        """A monitored barrier on gloo, which names the ranks that never arrive; nothing on other backends."""
-        if dist.get_backend(self.group) == "gloo":
-            self._collective(
-                f"the barrier opening {step}",
-                dist.monitored_barrier,
-                group=self.group,
-                timeout=self.timeout,
-                wait_all_ranks=True,
-            )
-
-    def _broadcast_object(self, step: str, obj: Any = None) -> Any:
-        box = [obj]
-        device = self.device if self.device.type == "cuda" else None
-        self._collective(step, dist.broadcast_object_list, box, src=self.src, group=self.group, device=device)
-        return box[0]
-
-    def _broadcast_bytes(self, step: str, buf: torch.Tensor) -> None:
-        if buf.numel():
-            self._collective(step, dist.broadcast, buf, src=self.src, group=self.group)
-
-    def _gather(self, step: str, obj: Any) -> list[Any] | None:
-        """``gather_object`` to the sender: the list (indexed by group rank) there, None elsewhere."""
-        out: list[Any] | None = [None] * len(_group_ranks(self.group)) if self.rank == self.src else None
-        self._collective(step, dist.gather_object, obj, out, dst=self.src, group=self.group)
-        return out
 
 
 # --- results ---------------------------------------------------------------------------------------------------
@@ -373,7 +210,7 @@ def _received(rank: int, digests: Any) -> Mapping[str, str]:
 # --- sender ----------------------------------------------------------------------------------------------------
 
 
-class BroadcastSender(_Member):
+class BroadcastSender(GroupMember):
     """The trainer's end: :meth:`prepare` once, then :meth:`send` the weights for every refit.
 
     ``verify``: off | log | enforce (or a config with ``.mode``). ``src``: this process's global rank (the
@@ -414,7 +251,7 @@ class BroadcastSender(_Member):
     @property
     def receivers(self) -> list[int]:
         """The engines' global ranks: every member of the group but ``src``."""
-        return [r for r in _group_ranks(self.group) if r != self.src]
+        return [r for r in group_ranks(self.group) if r != self.src]
 
     def prepare(self) -> dict[int, dict[str, Meta]]:
         """Meet the engines: announce the digest algorithm, learn each engine's metadata (by global rank)."""
@@ -424,8 +261,8 @@ class BroadcastSender(_Member):
         self._broadcast_object("prepare: the sender's hello", {"algo": self.algo})
         gathered = self._gather("prepare: the engines' metadata", None)
         assert gathered is not None
-        ranks = _group_ranks(self.group)
-        self.metadata = {ranks[i]: _metadata(m) for i, m in enumerate(gathered) if ranks[i] != self.src}
+        ranks = group_ranks(self.group)
+        self.metadata = {ranks[i]: declared_metadata(m) for i, m in enumerate(gathered) if ranks[i] != self.src}
         return self.metadata
 
     def send(self, named_tensors: NamedTensors, *, partial: bool = False, expected: Iterable[str] | None = None) -> BroadcastResult:
@@ -438,14 +275,14 @@ class BroadcastSender(_Member):
         """
         if self.metadata is None:
             raise RefitProtocolError("BroadcastSender.send before prepare(): the engines' metadata is unknown")
-        items = _pairs(named_tensors)
+        items = tensor_pairs(named_tensors)
         sent_names = [name for name, _ in items]
         # checked before the barrier: a caller's mistake must not leave the engines waiting in a collective
         want = _expected_per_rank(self.metadata, sent_names, partial, expected)
         self._barrier("the stream")
         try:
-            sent = {name: _meta(t) for name, t in items}
-            nbytes = sum(_nbytes(m) for m in sent.values())
+            sent = {name: Meta.of(t) for name, t in items}
+            nbytes = sum(m.nbytes for m in sent.values())
             digests = self._stream(items)
         except RefitTimeout:
             raise
@@ -455,7 +292,7 @@ class BroadcastSender(_Member):
         self._broadcast_object("the completion header", {"kind": "complete"})
         gathered = self._gather("the engines' reports", None)
         assert gathered is not None
-        ranks = _group_ranks(self.group)
+        ranks = group_ranks(self.group)
         reports = {ranks[i]: rep for i, rep in enumerate(gathered) if ranks[i] != self.src}
         return self._finish(reports, sent, digests, nbytes, want)
 
@@ -463,13 +300,13 @@ class BroadcastSender(_Member):
         """Digest, fault, pack and broadcast every bucket; the sender's digests (empty when off)."""
         faults = self._mine
         acc = DigestAccumulator(algo=self.algo, backend=self.backend) if self.verifying else None
-        swap = _Swapper(faults.at("sender_after_digest", kind="swap_params") + faults.at("wire", kind="swap_params"))
+        swap = Swapper(faults.at("sender_after_digest", kind="swap_params") + faults.at("wire", kind="swap_params"))
         outgoing: list[tuple[str, torch.Tensor]] = []
 
         def emit(passing: list[tuple[str, torch.Tensor]]) -> None:
             for n, u in passing:
                 altered = (
-                    None if faults.at("wire", n, kind="drop_param") else _strike(faults, "sender_after_digest", n, u)
+                    None if faults.at("wire", n, kind="drop_param") else strike(faults, "sender_after_digest", n, u)
                 )
                 if altered is not None:
                     outgoing.append((n, altered))
@@ -505,8 +342,8 @@ class BroadcastSender(_Member):
 
     def _strike_wire(self, buf: torch.Tensor, offset: int, name: str, t: torch.Tensor) -> None:
         """flip_bit, cast_dtype and shift_offset on the packed bytes of ``name``."""
-        region = unpack(buf, offset, _meta(t))
-        altered = _strike(self._mine, "wire", name, region)
+        region = unpack(buf, offset, Meta.of(t))
+        altered = strike(self._mine, "wire", name, region)
         if altered is not None and altered is not region:
             raw = logical_bytes(altered)
             buf[offset : offset + raw.numel()].copy_(raw)
@@ -518,8 +355,8 @@ class BroadcastSender(_Member):
         for name, meta in sent.items():
             if name not in theirs:
                 out.append(f"{name} is not in its metadata")
-            elif _nbytes(theirs[name]) != _nbytes(meta):
-                out.append(f"{name} is {_describe(theirs[name])} there, {_describe(meta)} sent")
+            elif theirs[name].nbytes != meta.nbytes:
+                out.append(f"{name} is {theirs[name].describe()} there, {meta.describe()} sent")
         return out
 
     def _finish(
@@ -571,7 +408,7 @@ class BroadcastSender(_Member):
 # --- receiver --------------------------------------------------------------------------------------------------
 
 
-class BroadcastReceiver(_Member):
+class BroadcastReceiver(GroupMember):
     """An engine's end: :meth:`prepare` once, then :meth:`receive` for every refit.
 
     ``metadata``: this engine's own ``{name: (shape, dtype)}`` (see
@@ -597,7 +434,7 @@ class BroadcastReceiver(_Member):
         super().__init__(
             verify=verify, src=src, group=group, faults=faults, device=device, backend=backend, timeout_s=timeout_s
         )
-        self.metadata = _metadata(metadata)
+        self.metadata = declared_metadata(metadata)
         self.load_weights = load_weights
         self.algo: str | None = None
 
@@ -632,7 +469,7 @@ class BroadcastReceiver(_Member):
             raise RefitProtocolError("BroadcastReceiver.receive before prepare(): the sender's algorithm is unknown")
         self._barrier("the stream")
         faults, dropped = self._faults_here()
-        swap = _Swapper(faults.at("receiver_before_load", kind="swap_params"))
+        swap = Swapper(faults.at("receiver_before_load", kind="swap_params"))
         acc = DigestAccumulator(algo=self.algo, backend=self.backend) if self.verifying else None
         errors: list[str] = []
         buckets = params = nbytes = 0
@@ -683,7 +520,7 @@ class BroadcastReceiver(_Member):
         used: int,
         buf: torch.Tensor,
         faults: FaultPlan,
-        swap: _Swapper,
+        swap: Swapper,
         acc: DigestAccumulator | None,
     ) -> list[tuple[str, torch.Tensor]]:
         """The bucket's views by this engine's metadata, after its faults; raises if the layout does not add up."""
@@ -706,7 +543,7 @@ class BroadcastReceiver(_Member):
         """Per-parameter faults, then the digest of exactly what is loaded."""
         out = []
         for name, t in views:
-            altered = _strike(faults, "receiver_before_load", name, t)
+            altered = strike(faults, "receiver_before_load", name, t)
             if altered is None:
                 continue
             if acc is not None:

@@ -22,13 +22,14 @@ broadcast); empty, the default, strikes every receiver.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["POINTS", "KINDS", "Fault", "FaultPlan", "as_like", "shifted"]
+__all__ = ["POINTS", "KINDS", "Fault", "FaultPlan", "Swapper", "as_like", "shifted", "strike"]
 
 POINTS = ("sender_after_digest", "wire", "receiver_before_load")
 KINDS = ("flip_bit", "drop_param", "drop_buffer", "shift_offset", "cast_dtype", "swap_params")
@@ -117,7 +118,7 @@ class FaultPlan:
 
 def as_like(src: torch.Tensor, like: torch.Tensor, what: str = "") -> torch.Tensor:
     """``src``'s bytes read as ``like``'s dtype and shape: how swapped parameters arrive."""
-    from wcviz.digest._lanes import logical_bytes
+    from wcviz.digest import logical_bytes
 
     raw = logical_bytes(src)
     need = like.numel() * like.element_size()
@@ -132,10 +133,46 @@ def shifted(t: torch.Tensor, shift: int) -> torch.Tensor:
     """``t`` as it reads when its bytes arrive ``shift`` bytes late (zeros first, its tail lost)."""
     import torch
 
-    from wcviz.digest._lanes import logical_bytes
+    from wcviz.digest import logical_bytes
 
     raw = logical_bytes(t)
     out = torch.zeros_like(raw)
     if shift < raw.numel():
         out[shift:] = raw[: raw.numel() - shift]
     return as_like(out, t)
+
+
+def strike(faults: FaultPlan, point: str, name: str, t: torch.Tensor) -> torch.Tensor | None:
+    """``t`` after the per-parameter faults at ``point``: flip_bit, cast_dtype, drop_param, then shift_offset."""
+    out = faults.alter(point, name, t)
+    if out is None:
+        return None
+    shift = sum(f.shift for f in faults.at(point, name, kind="shift_offset"))
+    return shifted(out, shift) if shift else out
+
+
+class Swapper:
+    """swap_params on a stream: the first of a pair waits (as a copy) until its partner passes by."""
+
+    def __init__(self, faults: Iterable[Fault]) -> None:
+        self.partner: dict[str, str] = {}
+        for f in faults:
+            a, b = f.params
+            self.partner[a], self.partner[b] = b, a
+        self.held: dict[str, torch.Tensor] = {}
+
+    def __call__(self, name: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        other = self.partner.get(name)
+        if other is None:
+            return [(name, t)]
+        if other not in self.held:
+            self.held[name] = t.clone()
+            return []
+        theirs = self.held.pop(other)
+        what = f"{other!r} and {name!r}"
+        return [(other, as_like(t, theirs, what)), (name, as_like(theirs, t, what))]
+
+    def flush(self) -> list[tuple[str, torch.Tensor]]:
+        """The parameters whose partner never came, unswapped."""
+        out, self.held = list(self.held.items()), {}
+        return out

@@ -37,11 +37,8 @@ can neither bind the path first nor connect to it. ``tcp://``, abstract sockets
 from __future__ import annotations
 
 import contextlib
-import json
-import math
 import os
 import shutil
-import stat
 import tempfile
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -50,197 +47,37 @@ from typing import TYPE_CHECKING, Any
 import torch
 import zmq
 
-from wcviz.digest import DigestAccumulator, parse_dtype
-from wcviz.digest._api import _pairs
-from wcviz.digest._lanes import logical_bytes
-from wcviz.refit._packing import Bucket, Meta, aligned, pack, plan, unpack, walk
+from wcviz.digest import DigestAccumulator, logical_bytes
+from wcviz.refit._control import ControlSocket, WireLog, check_address, checked_digests, checked_metadata, refused
+from wcviz.refit._packing import Bucket, Meta, aligned, nbytes, pack, plan, unpack, walk
+from wcviz.refit._packing import metadata as declared_metadata
+from wcviz.refit._packing import named_tensors as tensor_pairs
 from wcviz.refit._shm import AttachedBuffer, BufferHandle, HandleError, OwnedBuffer
 from wcviz.refit._transport import Transport
 from wcviz.refit.faults import FaultPlan, as_like, shifted
-from wcviz.refit.verify import RefitProtocolError, RefitResult, RefitTimeout, check, expected_names
+from wcviz.refit.verify import RefitProtocolError, RefitResult, check, expected_names
 
 if TYPE_CHECKING:
     from typing_extensions import Self
 
-__all__ = ["DEFAULT_BUFFER_BYTES", "DEFAULT_TIMEOUT_S", "IPCReceiver", "IPCSender"]
+__all__ = ["DEFAULT_BUFFER_BYTES", "DEFAULT_TIMEOUT_S", "IPCReceiver", "IPCSender", "check_address"]
 
 DEFAULT_BUFFER_BYTES = 256 << 20
 DEFAULT_TIMEOUT_S = 60.0
 SENDER, WIRE, RECEIVER = "sender_after_digest", "wire", "receiver_before_load"
 _REPLY_LINGER_MS = 500  # the receiver's last reply must leave even if it closes at once; bounded, never a hang
-_MAX_MESSAGE = 256 << 20  # bytes: metadata of the largest models is a few MB; anything bigger is refused by ZMQ
 
-WireLog = list[tuple[str, dict[str, Any]]]  # ("send" | "recv", message): every control message of one end, in order
 LoadWeights = Callable[[list[tuple[str, torch.Tensor]]], None]
 
 
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
-def _meta_nbytes(meta: Meta) -> int:
-    shape, dtype = meta
-    return math.prod(shape) * parse_dtype(dtype).itemsize
-
-
 def _describe(name: str, meta: Meta) -> str:
-    return f"{name} ({meta[1]} {list(meta[0])}, {_meta_nbytes(meta)} bytes)"
+    return f"{name} {Meta(*meta).describe()}"
 
 
 def _sync(buf: torch.Tensor) -> None:
     """Wait for the queued copies into (or reads of) ``buf``: the peer works on another CUDA stream."""
     if buf.is_cuda:
         torch.cuda.current_stream(buf.device).synchronize()
-
-
-def check_address(address: str) -> str:
-    """``address`` if it is an ``ipc://`` path in a private directory; else :class:`RefitProtocolError` saying why.
-
-    Private: the directory exists, belongs to this user and no one else may write
-    to it, so no other user's process can bind the socket first (and answer with
-    its own messages) or replace it.
-    """
-    if not isinstance(address, str) or not address.startswith("ipc://"):
-        raise RefitProtocolError(
-            f"refit address {address!r} refused: only ipc:// sockets in a private directory carry the control "
-            "channel (no tcp://: any local process could connect or answer first)"
-        )
-    path = address.removeprefix("ipc://")
-    if not path or path.startswith("@") or "\0" in path:
-        raise RefitProtocolError(f"refit address {address!r} refused: abstract or empty socket names are reachable by any local process")
-    directory = os.path.dirname(os.path.abspath(path))
-    try:
-        st = os.stat(directory)
-    except OSError as e:
-        raise RefitProtocolError(f"refit address {address!r} refused: its directory {directory} cannot be used ({e.strerror})") from None
-    if not stat.S_ISDIR(st.st_mode):
-        raise RefitProtocolError(f"refit address {address!r} refused: {directory} is not a directory")
-    if st.st_uid != os.getuid() or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        raise RefitProtocolError(
-            f"refit address {address!r} refused: {directory} is not private (owner uid {st.st_uid}, mode "
-            f"{stat.S_IMODE(st.st_mode):o}); use a directory of this user's that no one else can write (mkdtemp), "
-            "or let IPCSender choose the address"
-        )
-    return address
-
-
-def _to_json(obj: Any) -> Any:
-    """A control message as plain JSON data: handles as dicts, tuples as lists."""
-    if isinstance(obj, BufferHandle):
-        return obj.to_wire()
-    if isinstance(obj, dict):
-        return {str(k): _to_json(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_to_json(v) for v in obj]
-    return obj
-
-
-def _encode(msg: dict[str, Any]) -> bytes:
-    return json.dumps(_to_json(msg), allow_nan=False, separators=(",", ":")).encode()
-
-
-def _decode(raw: bytes, peer: str, address: str) -> dict[str, Any]:
-    """Parse one control message; anything that is not a JSON object (or nests absurdly deep) is a protocol error."""
-    try:
-        msg = json.loads(raw)
-    except (ValueError, RecursionError) as e:
-        raise RefitProtocolError(f"the {peer} at {address} sent a message that is not JSON ({type(e).__name__})") from None
-    if not isinstance(msg, dict):
-        raise RefitProtocolError(f"the {peer} at {address} sent a JSON {type(msg).__name__}, not a message object")
-    if "buffer" in msg:  # a valid handle becomes one; anything else stays as sent, for the receiver to refuse by name
-        with contextlib.suppress(HandleError):
-            msg["buffer"] = BufferHandle.from_wire(msg["buffer"])
-    return msg
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _checked_metadata(value: Any, address: str) -> dict[str, Meta]:
-    """The receiver's ``{name: (shape, dtype)}`` from the wire, every field checked."""
-    if not isinstance(value, dict):
-        raise RefitProtocolError(f"the receiver at {address} sent metadata that is not an object: {str(value)[:200]}")
-    out: dict[str, Meta] = {}
-    for name, entry in value.items():
-        ok = isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], list) and isinstance(entry[1], str)
-        if not ok or not all(_is_int(d) and 0 <= d < 1 << 62 for d in entry[0]):
-            raise RefitProtocolError(f"the receiver at {address} sent bad metadata for {name!r}: {str(entry)[:200]}")
-        try:
-            parse_dtype(entry[1])
-        except ValueError:
-            raise RefitProtocolError(f"the receiver at {address} declares {name!r} with unknown dtype {entry[1]!r}") from None
-        out[name] = (tuple(entry[0]), entry[1])
-    return out
-
-
-def _checked_digests(value: Any, address: str) -> dict[str, str] | None:
-    if value is None:
-        return None
-    if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
-        raise RefitProtocolError(f"the receiver at {address} sent digests that are not {{name: hex}}: {str(value)[:200]}")
-    return value
-
-
-class _Socket:
-    """A ZMQ socket whose every wait is bounded: a dead or hung peer is RefitTimeout, never a hang."""
-
-    def __init__(
-        self, kind: int, address: str, *, bind: bool, timeout_s: float, linger_ms: int, wire_log: WireLog | None
-    ):
-        self.address = check_address(address)
-        self.timeout_s = timeout_s
-        self.awaiting = False  # a request went out and its reply has not come back
-        self._peer = "receiver" if kind == zmq.REQ else "sender"
-        self._linger_ms = linger_ms
-        self._wire_log = wire_log
-        self._ctx = zmq.Context()
-        self._sock = self._ctx.socket(kind)
-        self._sock.setsockopt(zmq.LINGER, linger_ms)
-        self._sock.setsockopt(zmq.MAXMSGSIZE, _MAX_MESSAGE)
-        try:
-            if bind:
-                self._sock.bind(address)
-            else:
-                self._sock.connect(address)
-        except BaseException:
-            self.close()
-            raise
-
-    def send(self, msg: dict[str, Any], what: str) -> None:
-        if not self._sock.poll(int(self.timeout_s * 1000), zmq.POLLOUT):
-            raise RefitTimeout(
-                f"timed out after {self.timeout_s:g}s sending {what}: no {self._peer} connected at {self.address}"
-            )
-        self._sock.send(_encode(msg), zmq.NOBLOCK)
-        self.awaiting = self._peer == "receiver"
-        if self._wire_log is not None:
-            self._wire_log.append(("send", msg))
-
-    def recv(self, what: str) -> dict[str, Any]:
-        if not self._sock.poll(int(self.timeout_s * 1000), zmq.POLLIN):
-            raise RefitTimeout(
-                f"timed out after {self.timeout_s:g}s waiting for {what} from the {self._peer} at {self.address} "
-                f"(is it alive?)"
-            )
-        raw = self._sock.recv(zmq.NOBLOCK)
-        self.awaiting = False
-        msg = _decode(raw, self._peer, self.address)
-        if self._wire_log is not None:
-            self._wire_log.append(("recv", msg))
-        return msg
-
-    def close(self) -> None:
-        """Close the socket and its context; waits at most the linger for a last reply to leave."""
-        self._sock.close(self._linger_ms)
-        self._ctx.term()
-
-
-def _refused(what: str, address: str, reply: dict[str, Any]) -> RefitProtocolError | None:
-    if reply.get("op") == "ack" and reply.get("ok") is True:
-        return None
-    error = reply.get("error") or f"unexpected reply {reply!r:.200}"
-    return RefitProtocolError(f"the receiver at {address} refused {what}: {error}")
 
 
 class IPCSender(Transport):
@@ -271,7 +108,7 @@ class IPCSender(Transport):
         self._tmpdir = tempfile.mkdtemp(prefix="wcviz_refit_") if address is None else None
         self.address = address or f"ipc://{self._tmpdir}/refit.sock"
         self.metadata: dict[str, Meta] | None = None  # the receiver's, once prepared
-        self._sock: _Socket | None = None
+        self._sock: ControlSocket | None = None
         self._closed = False
         try:
             self._open_socket()  # bind now, so the receiver can connect as soon as it knows the address
@@ -285,11 +122,11 @@ class IPCSender(Transport):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _open_socket(self) -> _Socket:
+    def _open_socket(self) -> ControlSocket:
         if self._closed:
             raise RefitProtocolError(f"sender at {self.address} is closed")
         if self._sock is None:
-            self._sock = _Socket(
+            self._sock = ControlSocket(
                 zmq.REQ, self.address, bind=True, timeout_s=self.timeout_s, linger_ms=0, wire_log=self.wire_log
             )
         return self._sock
@@ -323,7 +160,7 @@ class IPCSender(Transport):
             raise
         if reply.get("op") != "info" or not isinstance(reply.get("metadata"), dict):
             raise RefitProtocolError(f"the receiver at {self.address} answered prepare with {reply!r:.200}")
-        self.metadata = _checked_metadata(reply["metadata"], self.address)
+        self.metadata = checked_metadata(reply["metadata"], self.address)
         return self.metadata
 
     def send(
@@ -343,7 +180,7 @@ class IPCSender(Transport):
         :class:`RefitDigestMismatch`. A receiver that refuses a batch is
         :class:`RefitProtocolError`, a silent one :class:`RefitTimeout`.
         """
-        tensors = _pairs(named_tensors)
+        tensors = tensor_pairs(named_tensors)
         try:
             metadata = self.metadata if self.metadata is not None else self.prepare()
             self._check_framing(tensors, metadata)
@@ -356,10 +193,10 @@ class IPCSender(Transport):
             if self._sock is not None and self._sock.awaiting:  # a REQ socket cannot send again before its reply
                 self._close_socket()
             raise
-        nbytes = sum(_nbytes(t) for _, t in tensors)
+        size = sum(nbytes(t) for _, t in tensors)
         if acc is None:
-            return RefitResult(self.mode, params=len(tensors), nbytes=nbytes, expected=len(want))
-        return check(self.mode, acc.hex(), _checked_digests(reply.get("digests"), self.address), nbytes=nbytes, expected=want)
+            return RefitResult(self.mode, params=len(tensors), nbytes=size, expected=len(want))
+        return check(self.mode, acc.hex(), checked_digests(reply.get("digests"), self.address), nbytes=size, expected=want)
 
     def _check_framing(self, tensors: list[tuple[str, torch.Tensor]], metadata: Mapping[str, Meta]) -> None:
         """Refuse, before anything is sent, names the receiver lacks and byte sizes it does not expect.
@@ -369,9 +206,9 @@ class IPCSender(Transport):
         """
         unknown = [n for n, _ in tensors if n not in metadata]
         resized = [
-            f"{n} ({t.dtype} {list(t.shape)}, {_nbytes(t)} bytes here; the receiver expects {_describe(n, metadata[n])})"
+            f"{n} ({Meta.of(t).describe()} here; the receiver expects {Meta(*metadata[n]).describe()})"
             for n, t in tensors
-            if n in metadata and _nbytes(t) != _meta_nbytes(metadata[n])
+            if n in metadata and nbytes(t) != Meta(*metadata[n]).nbytes
         ]
         problems = []
         if unknown:
@@ -417,7 +254,7 @@ class IPCSender(Transport):
                         acc.add(n, originals[n])  # queued on the tensor's device; no host sync until acc.hex()
 
         tensors = dict(wire)
-        buckets = plan([(n, _nbytes(t)) for n, t in wire], self.buffer_bytes)
+        buckets = plan([(n, nbytes(t)) for n, t in wire], self.buffer_bytes)
         device = self.device or (wire[0][1].device if wire else torch.device("cpu"))
         staging_size = max((b.used for b in buckets if not b.own), default=0)
         staging: list[OwnedBuffer] = []
@@ -431,7 +268,7 @@ class IPCSender(Transport):
                 reply = sock.recv(f"the ack of batch {k}")
                 if temp is not None:
                     temp.close()
-                if (error := _refused(f"batch {k} ({', '.join(buckets[k].names)})", self.address, reply)) is not None:
+                if (error := refused(f"batch {k} ({', '.join(buckets[k].names)})", self.address, reply)) is not None:
                     raise error
 
         with contextlib.ExitStack() as cleanup:
@@ -466,7 +303,7 @@ class IPCSender(Transport):
             digest(originals)  # what never went on the wire (dropped) is still part of what was sent
             sock.send({"op": "complete"}, "COMPLETE")
             reply = sock.recv("the final ack")
-        if (error := _refused("the end of the stream", self.address, reply)) is not None:
+        if (error := refused("the end of the stream", self.address, reply)) is not None:
             raise error
         return reply
 
@@ -480,7 +317,7 @@ class IPCSender(Transport):
             else:
                 pack(buf, offset, t)
             for f in self.faults.at(WIRE, name, kind="flip_bit"):
-                n = _nbytes(t)
+                n = nbytes(t)
                 if n == 0:
                     raise ValueError(f"fault flip_bit on {name!r}: the parameter has no bytes to flip")
                 i = offset + (f.bit // 8) % n
@@ -502,8 +339,8 @@ def _swap(named: list[tuple[str, torch.Tensor]], a: str, b: str) -> None:
         return
     i, j = where[a], where[b]
     ta, tb = named[i][1], named[j][1]
-    if _nbytes(ta) != _nbytes(tb):
-        raise ValueError(f"fault swap_params: {a} ({_nbytes(ta)} bytes) and {b} ({_nbytes(tb)} bytes) differ in size")
+    if nbytes(ta) != nbytes(tb):
+        raise ValueError(f"fault swap_params: {a} ({nbytes(ta)} bytes) and {b} ({nbytes(tb)} bytes) differ in size")
     named[i], named[j] = (a, tb), (b, ta)
 
 
@@ -537,10 +374,7 @@ class IPCReceiver(Transport):
     ) -> None:
         super().__init__(verify)
         self.address = address
-        self.metadata: dict[str, Meta] = {
-            n: (tuple(int(d) for d in shape), str(parse_dtype(dtype)).removeprefix("torch."))
-            for n, (shape, dtype) in metadata.items()
-        }
+        self.metadata: dict[str, Meta] = declared_metadata(metadata)
         self.load_weights = load_weights
         self.faults = faults or FaultPlan()
         self.timeout_s = timeout_s
@@ -549,7 +383,7 @@ class IPCReceiver(Transport):
             a, b = f.params
             self._partners.update({a: b, b: a})
         self._buffers: dict[str, AttachedBuffer] = {}
-        self._sock: _Socket | None = _Socket(
+        self._sock: ControlSocket | None = ControlSocket(
             zmq.REP, address, bind=False, timeout_s=timeout_s, linger_ms=_REPLY_LINGER_MS, wire_log=wire_log
         )
 

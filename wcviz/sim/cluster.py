@@ -17,34 +17,29 @@ through ``PR_SET_PDEATHSIG`` - when the driver process is killed outright.
 
 from __future__ import annotations
 
-import contextlib
 import os
-import pickle
 import secrets
 import shutil
 import socket
-import subprocess
-import sys
 import tempfile
-import time
-import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from wcviz._errors import WcvizError
 from wcviz.sim import _worker
+from wcviz.sim._procs import Key, RankProcesses
 from wcviz.sim.engine import EngineLayout, LoaderFaults
 from wcviz.sim.model import TINY, ModelConfig
 
 if TYPE_CHECKING:
     import pandas as pd
 
-    from wcviz.check import EndStateReport
+    from wcviz.endstate import EndStateReport
     from wcviz.refit.broadcast import BroadcastResult
     from wcviz.refit.faults import FaultPlan
+    from wcviz.sim._fleet import ClusterFleet
     from wcviz.sources import FetchResult
 
 __all__ = ["Cluster", "ClusterError", "RankInfo"]
@@ -69,17 +64,15 @@ class RankInfo:
 
     @property
     def label(self) -> str:
-        coords = " ".join(f"{k}={v}" for k, v in (("dp", self.dp), ("pp", self.pp), ("tp", self.tp)) if v is not None)
-        return f"{self.role} rank {self.rank}" + (f" ({coords})" if coords else "")
+        """``engine rank 1 (dp=0 pp=0 tp=1)``."""
+        from wcviz._text import rank_label
+
+        return rank_label(self.identity, "role rank")
 
     @property
     def identity(self) -> dict[str, Any]:
         """What :func:`wcviz.sources.fetch_agents` should find at :attr:`url`."""
         return {"role": self.role, "rank": self.rank, "dp": self.dp, "pp": self.pp, "tp": self.tp}
-
-
-_Key = tuple[str, int]  # (role, rank)
-_ROOT = str(Path(__file__).resolve().parents[2])  # so the rank finds this very wcviz, installed or not
 
 
 class Cluster:
@@ -127,13 +120,10 @@ class Cluster:
         self.algo, self.buffer_bytes, self.timeout_s = algo, int(buffer_bytes), float(timeout_s)
         self._workdir_given = workdir is not None
         self.workdir: Path | None = Path(workdir) if workdir is not None else None
-        self._procs: dict[_Key, subprocess.Popen[bytes]] = {}
-        self._conns: dict[_Key, Connection] = {}
-        self.ranks: dict[_Key, RankInfo] = {}
-        self._dead: set[_Key] = set()
+        self.ranks: dict[Key, RankInfo] = {}
+        self._procs = RankProcesses(ClusterError, self._label)
         self.step_k = 0
         self.checkpoint: Path | None = None
-        self._finalizer: Any = None
 
     # ---- lifecycle -----------------------------------------------------------------------
 
@@ -147,8 +137,6 @@ class Cluster:
         store = self.workdir / f"pg-store-{secrets.token_hex(4)}"
         world = 1 + self.layout.world_size
         roles = [(_worker.TRAINER, 0)] + [(_worker.ENGINE, r) for r in range(self.layout.world_size)]
-        # Before the first spawn: whatever happens next, interpreter exit (or losing this object) takes the ranks down.
-        self._finalizer = weakref.finalize(self, _teardown, self._procs, self._conns, None)
         try:
             for world_rank, (role, rank) in enumerate(roles):
                 spec = _worker.Spec(
@@ -158,8 +146,8 @@ class Cluster:
                     allow_mutations=self.allow_mutations, host=socket.gethostname(), algo=self.algo,
                     parent_pid=os.getpid(),
                 )  # fmt: skip
-                self._procs[(role, rank)], self._conns[(role, rank)] = _spawn(spec)
-            for key, msg in self._collect(list(self._procs), "start-up", self.timeout_s + 30).items():
+                self._procs.spawn((role, rank), spec)
+            for key, msg in self._procs.collect(list(self._procs.procs), "start-up", self.timeout_s + 30).items():
                 self.ranks[key] = RankInfo(
                     role=msg["role"], rank=msg["rank"], world_rank=msg["world_rank"], dp=msg["dp"], pp=msg["pp"],
                     tp=msg["tp"], pid=msg["pid"], url=msg["url"],
@@ -171,15 +159,10 @@ class Cluster:
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Stop every rank (politely, then SIGTERM, then SIGKILL) and remove the work folder; safe twice."""
-        _teardown(self._procs, self._conns, timeout_s)
-        if self._finalizer is not None:
-            self._finalizer.detach()
-            self._finalizer = None
+        self._procs.stop(timeout_s)
         if self.workdir is not None and not self._workdir_given:
             shutil.rmtree(self.workdir, ignore_errors=True)
             self.workdir = None
-        self._procs.clear()
-        self._conns.clear()
 
     def __enter__(self) -> Cluster:
         if not self._procs:
@@ -190,65 +173,27 @@ class Cluster:
         self.stop()
 
     def __repr__(self) -> str:
-        state = f"{len(self._procs) - len(self._dead)} processes up" if self._procs else "stopped"
+        state = f"{len(self._procs.procs) - len(self._procs.dead)} processes up" if self._procs else "stopped"
         return f"Cluster(engine tp={self.layout.tp} pp={self.layout.pp} dp={self.layout.dp} + trainer; {state})"
 
     # ---- talking to ranks ----------------------------------------------------------------
 
-    def _collect(self, keys: Sequence[_Key], what: str, timeout_s: float) -> dict[_Key, Any]:
-        """Read one reply from each of ``keys``; raise ClusterError naming every rank that failed."""
-        deadline = time.monotonic() + timeout_s
-        replies: dict[_Key, Any] = {}
-        errors: dict[_Key, str] = {}
-        for key in keys:
-            conn, proc = self._conns[key], self._procs[key]
-            while key not in replies and key not in errors:
-                if conn.poll(0.05):
-                    try:
-                        msg = conn.recv()
-                    except (EOFError, OSError):
-                        errors[key] = f"died (exit code {proc.wait(5)})"
-                        continue
-                    if msg[0] == "error":
-                        errors[key] = f"{msg[1]}: {msg[2]}"
-                    else:
-                        replies[key] = msg[1]
-                elif proc.poll() is not None:
-                    errors[key] = f"died (exit code {proc.returncode})"
-                elif time.monotonic() > deadline:
-                    errors[key] = f"no answer within {timeout_s:.0f} s"
-        if errors:
-            for key in errors:
-                if self._procs[key].poll() is not None:
-                    self._dead.add(key)
-            listed = "; ".join(f"{self._label(k)}: {e}" for k, e in errors.items())
-            raise ClusterError(f"{what} failed on {len(errors)} rank{'s' if len(errors) != 1 else ''}: {listed}")
-        return replies
-
-    def _label(self, key: _Key) -> str:
+    def _label(self, key: Key) -> str:
         info = self.ranks.get(key)
         return info.label if info is not None else f"{key[0]} rank {key[1]}"
 
-    def _call(self, keys: Sequence[_Key], command: str, **kwargs: Any) -> dict[_Key, Any]:
-        """Send ``command`` to every rank in ``keys`` first (collectives need them all), then collect."""
-        if not self._procs:
-            raise ClusterError(f"{command}: the cluster is not running; call start() or use it in a with block")
-        dead = [k for k in keys if k in self._dead or self._procs[k].poll() is not None]
-        if dead:
-            self._dead.update(dead)
-            raise ClusterError(f"{command}: {', '.join(self._label(k) for k in dead)} is dead")
-        for key in keys:
-            self._conns[key].send((command, kwargs))
-        return self._collect(keys, command, self.timeout_s + 10)
+    def _call(self, keys: Sequence[Key], command: str, **kwargs: Any) -> dict[Key, Any]:
+        """``command`` on every rank in ``keys`` (sent to all first: collectives need them all), their replies."""
+        return self._procs.call(keys, command, self.timeout_s + 10, **kwargs)
 
     @property
-    def _trainer(self) -> _Key:
+    def _trainer(self) -> Key:
         return (_worker.TRAINER, 0)
 
     def _ranks_of(self, ranks: Sequence[int]) -> list[int]:
         return [k[1] for k in self._engine_keys(list(ranks))]
 
-    def _engine_keys(self, ranks: Sequence[int] | None = None) -> list[_Key]:
+    def _engine_keys(self, ranks: Sequence[int] | None = None) -> list[Key]:
         n = self.layout.world_size
         chosen = range(n) if ranks is None else ranks
         bad = [r for r in chosen if not (isinstance(r, int) and 0 <= r < n)]
@@ -275,7 +220,7 @@ class Cluster:
     @property
     def pids(self) -> list[int]:
         """OS process ids of every rank."""
-        return [p.pid for p in self._procs.values()]
+        return self._procs.pids()
 
     def step(self, k: int | None = None) -> int:
         """The trainer takes step ``k`` (default: the next one); engines see it at the next :meth:`refit`."""
@@ -319,10 +264,10 @@ class Cluster:
         for r, f in per_rank.items():
             if f.tp_as is not None and not 0 <= f.tp_as < self.layout.tp:
                 raise ValueError(f"engine rank {r}: LoaderFaults.tp_as={f.tp_as} is outside tp 0..{self.layout.tp - 1}")
-        self._dead_engines()
+        self.dead_engines()
         for r, f in per_rank.items():
             key = self._engine_keys([r])[0]
-            if key not in self._dead:
+            if not self._procs.is_dead(key):
                 self._call([key], "set_faults", faults=f)
 
     def save_checkpoint(self) -> Path:
@@ -330,7 +275,7 @@ class Cluster:
         assert self.workdir is not None
         path = self.workdir / f"checkpoint-step{self.step_k}"
         self._call([self._trainer], "save_checkpoint", directory=str(path))
-        self._call([k for k in self._engine_keys() if k not in self._dead], "set_checkpoint", directory=str(path))
+        self._call([k for k in self._engine_keys() if not self._procs.is_dead(k)], "set_checkpoint", directory=str(path))
         self.checkpoint = path
         return path
 
@@ -340,7 +285,7 @@ class Cluster:
 
         from wcviz.frame import validate
 
-        keys = [k for k in self._procs if k[0] == role]
+        keys = [k for k in self._procs.procs if k[0] == role]
         if not keys:
             raise ValueError(f"no ranks with role {role!r}; roles are trainer and engine")
         frames = self._call(keys, "digests", phase=phase)
@@ -392,10 +337,7 @@ class Cluster:
     def kill(self, rank: int) -> None:
         """SIGKILL engine ``rank`` (a crashed rank, for tests and demos); the others keep running."""
         key = self._engine_keys([rank])[0]
-        proc = self._procs[key]
-        proc.kill()
-        proc.wait(10)
-        self._dead.add(key)
+        self._procs.kill(key)
 
     def endstate(
         self,
@@ -413,115 +355,38 @@ class Cluster:
         ``transport``); ``"checkpoint"``: each engine agent reloads the last
         :meth:`save_checkpoint`. ``faults``, when given, are set after the reset, so
         they strike the update under test only (and stay set afterwards). Other
-        arguments go to :func:`wcviz.check.check_agents`.
+        arguments (``timeout_s``, ``retries``, ``allow_partial_reset``, ...) go to the
+        agents' fleet and :func:`wcviz.endstate.run`.
 
-        A dead engine rank cannot take part in a refit (the broadcast needs every
-        rank), so when one is dead - before the check or during it - the living ranks
-        are reloaded from a checkpoint of the trainer's current weights instead (the
-        report's ``notes`` say so) and the dead one is ``unreachable`` under its
-        coordinates: no rank is left poisoned because another died.
+        A dead engine rank cannot take part in a refit: the living ranks are then
+        reloaded from a checkpoint (the report's ``notes`` say so; :mod:`wcviz.sim._fleet`).
         """
-        from wcviz.check import check_agents
+        from wcviz.endstate import EndStateSession, run
 
         if not self.allow_mutations:
             raise ClusterError("the end-state check resets every engine rank: start the cluster with allow_mutations=True")
-        if reload not in ("refit", "checkpoint"):
-            raise ValueError(f"reload must be 'refit' or 'checkpoint', got {reload!r}")
         if reload == "checkpoint" and self.checkpoint is None:
             self.save_checkpoint()
-        transport: list[Any] = []
-        notes: list[str] = []
+        network = {k: kwargs.pop(k) for k in ("timeout_s", "retries", "client", "transport") if k in kwargs}
+        fleet = self.fleet(reload=reload, **network)
 
         def inject() -> None:
             if faults is not None:
                 self.set_faults(faults)
 
-        def by_refit() -> Any:
-            dead = self._dead_engines()
-            if not dead:
-                try:
-                    transport.append(self.refit())
-                    return None
-                except ClusterError as e:
-                    dead = self._dead_engines()
-                    if not dead:
-                        raise
-                    why = f"the refit failed: {e}"
-            else:
-                why = "a refit needs every engine rank"
-            return self._reload_living(dead, why, notes)
-
-        report = check_agents(
-            self.urls("engine"), token=self.token, reload=by_refit if reload == "refit" else None,
-            before_reload=inject, progress=progress, **kwargs,
-        )  # fmt: skip
-        report.transport = transport[0] if transport else None
-        report.notes.extend(notes)
+        report = run(EndStateSession(fleet), before_reload=inject, progress=progress, **kwargs)
+        report.transport = fleet.transport
+        report.notes.extend(fleet.notes)
         return report
 
-    def _dead_engines(self) -> list[_Key]:
-        """Engine ranks whose process is gone (marked dead from now on)."""
-        for key in self._engine_keys():
-            if self._procs[key].poll() is not None:
-                self._dead.add(key)
-        return [k for k in self._engine_keys() if k in self._dead]
+    def fleet(self, *, reload: str = "refit", **options: Any) -> ClusterFleet:
+        """The engine agents as a fleet for :class:`wcviz.endstate.EndStateSession` (what the dashboard drives)."""
+        from wcviz.sim._fleet import ClusterFleet
 
-    def _reload_living(self, dead: list[_Key], why: str, notes: list[str]) -> Any:
-        """Reload the living engine ranks from a checkpoint of the trainer's weights: an ActionResult for them."""
-        from wcviz.sources import act
+        if not self.agents:
+            raise ClusterError("this cluster runs without agents (agents=False)")
+        return ClusterFleet(self, reload=reload, **options)
 
-        self.save_checkpoint()  # the trainer's current weights; every living engine is pointed at it
-        names = ", ".join(self._label(k) for k in dead)
-        notes.append(
-            f"{names} {'is' if len(dead) == 1 else 'are'} dead, so the reload could not be a refit ({why}); the living "
-            f"engine ranks were reloaded from the trainer's checkpoint of step {self.step_k} instead"
-        )
-        living = {str(self.ranks[k].url): self.ranks[k].identity for k in self._engine_keys() if k not in dead and self.ranks[k].url}
-        return act(living, "reload", token=self.token, timeout_s=self.timeout_s)
-
-
-def _spawn(spec: _worker.Spec) -> tuple[subprocess.Popen[bytes], Connection]:
-    """Start one rank in a fresh interpreter (:func:`wcviz.sim._worker.entry`), its command pipe a socketpair.
-
-    A fresh interpreter rather than multiprocessing's spawn: nothing of the caller's
-    ``__main__`` is re-imported, so a script without an ``if __name__ == "__main__"``
-    guard, a notebook or a REPL can start a cluster. Never fork: numba/OpenMP threads
-    do not survive it.
-    """
-    ours, theirs = socket.socketpair()
-    try:
-        proc = subprocess.Popen(
-            [sys.executable, "-c", "from wcviz.sim._worker import entry; entry()", str(theirs.fileno())],
-            stdin=subprocess.PIPE,
-            pass_fds=(theirs.fileno(),),
-            env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [_ROOT, os.environ.get("PYTHONPATH")]))},
-        )
-    finally:
-        theirs.close()
-    assert proc.stdin is not None
-    proc.stdin.write(pickle.dumps(spec))
-    proc.stdin.close()
-    return proc, Connection(ours.detach())
-
-
-def _teardown(procs: Mapping[_Key, subprocess.Popen[bytes]], conns: Mapping[_Key, Connection], timeout_s: float | None) -> None:
-    """Ask every live rank to stop, then escalate to SIGTERM and SIGKILL; reap them all."""
-    wait = 10.0 if timeout_s is None else timeout_s
-    for key, proc in procs.items():
-        if proc.poll() is None:
-            with contextlib.suppress(OSError, ValueError):
-                conns[key].send(("stop", {}))
-    deadline = time.monotonic() + wait
-    for proc in procs.values():
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(max(0.01, deadline - time.monotonic()))
-    for sig in ("terminate", "kill"):
-        alive = [p for p in procs.values() if p.poll() is None]
-        for proc in alive:
-            getattr(proc, sig)()
-        for proc in alive:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(5)
-    for conn in conns.values():
-        with contextlib.suppress(OSError):
-            conn.close()
+    def dead_engines(self) -> list[RankInfo]:
+        """The engine ranks whose process is gone (marked dead from now on)."""
+        return [self.ranks[k] for k in self._engine_keys() if self._procs.is_dead(k)]

@@ -1,35 +1,62 @@
-"""Sources turn something that holds weights into a digest table (see :mod:`wcviz.frame`)."""
+"""Sources turn something that holds weights into a digest table (see :mod:`wcviz.frame`).
+
+In memory (a module, a state dict, named tensors), on disk (safetensors), in the job
+(a torch.distributed group), and over a fleet of ranks (HTTP agents, vLLM workers,
+SGLang schedulers, Ray actors). A fleet source says only how to ask its engine; what
+an answer must be and the one :class:`FetchResult` it returns are shared
+(:mod:`wcviz.sources._fleet`).
+"""
 
 from __future__ import annotations
 
+from typing import Any
+
 from wcviz.sources._distributed import from_distributed, gather_frame
-from wcviz.sources._http import ActionResult, FetchResult, act, act_agents, fetch, fetch_agents
+from wcviz.sources._fleet import FAILED_COLUMNS, ActionResult, FetchResult, Targets
+from wcviz.sources._fleet import normalize as normalize_targets
+from wcviz.sources._http import act, act_agents, fetch, fetch_agents, fetch_infos
 from wcviz.sources._ray import from_ray_actors
-from wcviz.sources._safetensors import from_safetensors
-from wcviz.sources._sglang import SglangEndstate, from_sglang, sglang_action, sglang_endstate
+from wcviz.sources._safetensors import checkpoint_files, from_safetensors
+from wcviz.sources._sglang import from_sglang, sglang_action
 from wcviz.sources._tensors import from_module, from_named_tensors, from_state_dict
 from wcviz.sources._vllm import EngineEndpointError, from_vllm_http, from_vllm_llm, vllm_collective_rpc
 
 __all__ = [
+    "FAILED_COLUMNS",
     "ActionResult",
     "EngineEndpointError",
-    "SglangEndstate",
     "FetchResult",
+    "SglangEndstate",
+    "Targets",
     "act",
     "act_agents",
+    "checkpoint_files",
     "fetch",
     "fetch_agents",
+    "fetch_infos",
     "from_distributed",
     "from_module",
+    "from_named_tensors",
     "from_ray_actors",
+    "from_safetensors",
     "from_sglang",
+    "from_state_dict",
     "from_vllm_http",
     "from_vllm_llm",
-    "from_named_tensors",
-    "from_safetensors",
-    "from_state_dict",
     "gather_frame",
+    "normalize_targets",
     "sglang_action",
     "sglang_endstate",
     "vllm_collective_rpc",
 ]
+
+_MOVED = {"sglang_endstate": "wcviz.endstate", "SglangEndstate": "wcviz.endstate"}  # the end-state check lives there
+
+
+def __getattr__(name: str) -> Any:
+    """The SGLang end-state check moved to :mod:`wcviz.endstate`; these names still reach it (lazily: no cycle)."""
+    if name in _MOVED:
+        from importlib import import_module
+
+        return getattr(import_module(_MOVED[name]), name)
+    raise AttributeError(f"module 'wcviz.sources' has no attribute {name!r}")

@@ -25,8 +25,17 @@ from typing import Any
 import pandas as pd
 
 from wcviz.frame import make_frame
-from wcviz.sources._http import _KEY, FetchResult, _Failed
-from wcviz.sources._vllm import _assemble, _identity_of, _key, _rows_frame
+from wcviz.sources._fleet import (
+    KEY,
+    Failed,
+    FetchResult,
+    assemble,
+    check_expected,
+    checked_expected,
+    identity_of,
+    key_of,
+    rows_frame,
+)
 
 __all__ = ["from_ray_actors"]
 
@@ -53,22 +62,13 @@ def _normalize(actors: Sequence[Any] | Mapping[Any, Mapping[str, Any]]) -> list[
         if label in seen:
             raise ValueError(f"{label} is given twice; each actor must be asked once")
         seen.add(label)
-        if not isinstance(ident, Mapping):
-            raise TypeError(f"the identity expected of {label} must be a mapping (role, rank, dp, pp, tp, ep), got {type(ident).__name__}")
-        unknown = sorted(set(ident) - set(_KEY) - {"host"})
-        if unknown:
-            raise ValueError(f"the identity expected of {label} has unknown key(s) {', '.join(unknown)}; allowed: {', '.join(_KEY)}, host")
-        out.append((actor, dict(ident)))
+        out.append((actor, checked_expected(label, ident)))
     return out
 
 
 def _check_expected(ident: Mapping[str, Any], expected: Mapping[str, Any]) -> None:
     """An actor must be the rank the caller says it is (a launcher that mixed handles up)."""
-    wrong = [k for k in _KEY if expected.get(k) is not None and ident.get(k) != expected[k]]
-    if wrong:
-        said = ", ".join(f"{k}={ident.get(k)}" for k in wrong)
-        want = ", ".join(f"{k}={expected[k]}" for k in wrong)
-        raise _Failed(f"the actor says {said} but was expected to be {want}")
+    check_expected(ident, expected, "the actor", "it")
 
 
 def _gather(ray: Any, calls: dict[str, Any], timeout_s: float) -> dict[str, tuple[str, Any]]:
@@ -117,17 +117,17 @@ def _table(rows: Any, what: str) -> pd.DataFrame:
     try:
         return make_frame(rows.to_dict(orient="records") if isinstance(rows, pd.DataFrame) else rows)
     except Exception as e:  # noqa: BLE001 - not rows at all, or rows off the schema
-        raise _Failed(f"{what} did not answer a digest table: {_first_line(e)}") from None
+        raise Failed(f"{what} did not answer a digest table: {_first_line(e)}") from None
 
 
 def _identity_from_rows(frame: pd.DataFrame) -> dict[str, Any]:
-    ids = frame[list(_KEY)].drop_duplicates()
+    ids = frame[list(KEY)].drop_duplicates()
     if len(ids) != 1:
-        raise _Failed(f"its rows claim {len(ids)} different rank identities; one actor must be one rank" if len(ids) else "no rows and no info: which rank it is cannot be told")
+        raise Failed(f"its rows claim {len(ids)} different rank identities; one actor must be one rank" if len(ids) else "no rows and no info: which rank it is cannot be told")
     row = ids.iloc[0]
-    ident = {k: (None if pd.isna(row[k]) else (str(row[k]) if k == "role" else int(row[k]))) for k in _KEY}
+    ident = {k: (None if pd.isna(row[k]) else (str(row[k]) if k == "role" else int(row[k]))) for k in KEY}
     if ident["role"] is None or ident["rank"] is None:
-        raise _Failed("its rows carry no role and rank; give the rows a role and rank, or answer an info method")
+        raise Failed("its rows carry no role and rank; give the rows a role and rank, or answer an info method")
     hosts = frame["host"].dropna().unique()
     ident["host"] = str(hosts[0]) if len(hosts) == 1 else None
     return ident
@@ -166,10 +166,10 @@ def from_ray_actors(
             kind, value = outcomes[label]
             try:
                 if kind != "ok":
-                    raise _Failed(f"{info_method}: {value}")
-                ident = _identity_of(value, info_method)
+                    raise Failed(f"{info_method}: {value}")
+                ident = identity_of(value, info_method)
                 _check_expected(ident, known)
-            except _Failed as e:
+            except Failed as e:
                 failed.append({"url": label, "kind": kind if kind != "ok" else "failed", "error": str(e), **known})
                 continue
             infos[label], idents[label] = dict(value), ident
@@ -183,22 +183,22 @@ def from_ray_actors(
         kind, value = outcomes[label]
         try:
             if kind != "ok":
-                raise _Failed(f"{method}: {value}")
+                raise Failed(f"{method}: {value}")
             info, rows = infos.get(label), value
             if isinstance(value, dict):
                 if isinstance(value.get("info"), dict):
-                    claimed = _identity_of(value["info"], method)
-                    if info is not None and _key(claimed) != _key(ident):
-                        raise _Failed(f"{method} answered as rank {_key(claimed)} but {info_method} said {_key(ident)}")
+                    claimed = identity_of(value["info"], method)
+                    if info is not None and key_of(claimed) != key_of(ident):
+                        raise Failed(f"{method} answered as rank {key_of(claimed)} but {info_method} said {key_of(ident)}")
                     ident, info = claimed, info or dict(value["info"])
                 if "error" in value:
-                    raise _Failed(f"{method} failed on this actor: {value['error']}")
+                    raise Failed(f"{method} failed on this actor: {value['error']}")
                 rows = value.get("rows")
             if info is None:  # no info anywhere: the rows say which rank this is
                 ident = _identity_from_rows(_table(rows, method))
                 info = dict(ident)
             _check_expected(ident, known)
-            collected.append((label, ident, info, _rows_frame(rows, ident, label, method)))
-        except _Failed as e:
+            collected.append((label, ident, info, rows_frame(rows, ident, label, method)))
+        except Failed as e:
             failed.append({"url": label, "kind": kind if kind != "ok" else "failed", "error": str(e), **ident})
-    return _assemble(collected, failed, filtered=any(k in kwargs for k in ("name", "name_regex")))
+    return assemble(collected, failed, filtered=any(k in kwargs for k in ("name", "name_regex")))

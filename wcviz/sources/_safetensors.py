@@ -23,8 +23,7 @@ import pandas as pd
 
 from wcviz._errors import CheckpointError, DigestError
 from wcviz.digest import DEFAULT_ALGO, digest_buffer, parse_dtype
-from wcviz.frame import make_frame, shape_str
-from wcviz.sources._tensors import check_rank_info
+from wcviz.frame import check_rank_info, make_frame, shape_str
 
 __all__ = ["from_safetensors", "TensorEntry", "read_header", "checkpoint_files", "DTYPES"]
 

@@ -25,20 +25,17 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
-import pandas as pd
 
 from wcviz._names import name_filter
-from wcviz.endstate import EngineLeftPoisoned, classify
-from wcviz.endstate import summary as endstate_summary
+from wcviz._text import one_line
 from wcviz.frame import IDENTITY
-from wcviz.sources._http import ActionResult, FetchResult, _Failed, _message, _short
-from wcviz.sources._vllm import EngineEndpointError, _assemble, _rank_label, _rows_frame
+from wcviz.sources._fleet import ActionResult, Failed, FetchResult, assemble, message_of, rows_frame
+from wcviz.sources._vllm import EngineEndpointError, target_label
 
-__all__ = ["ACTIONS", "SGLANG_ALGO", "SglangEndstate", "from_sglang", "sglang_action", "sglang_endstate", "sglang_request"]
+__all__ = ["ACTIONS", "SGLANG_ALGO", "from_sglang", "sglang_action", "sglang_request"]
 
 SGLANG_ALGO = "sglang"
 ACTIONS = ("checksum", "snapshot", "reset_tensors", "compare")
@@ -74,7 +71,7 @@ def sglang_request(
     except httpx.TimeoutException as e:
         raise EngineEndpointError(f"POST {url} ({action}) got no answer within {timeout_s} s", "unreachable") from e
     except httpx.TransportError as e:
-        raise EngineEndpointError(f"POST {url} ({action}): {_short(e)}", "unreachable") from e
+        raise EngineEndpointError(f"POST {url} ({action}): {one_line(e)}", "unreachable") from e
     finally:
         if own:
             http.close()
@@ -85,7 +82,7 @@ def sglang_request(
             "missing",
         )
     if resp.status_code != 200:
-        raise EngineEndpointError(f"weights_checker {action!r} failed: HTTP {resp.status_code}: {_message(resp)}")
+        raise EngineEndpointError(f"weights_checker {action!r} failed: HTTP {resp.status_code}: {message_of(resp)}")
     try:
         body = resp.json()
     except ValueError:
@@ -111,15 +108,15 @@ def _parallel_identity(result: Any) -> dict[str, Any]:
     """role, rank, dp, pp, tp, ep (and host) from one rank's ``parallelism_info``."""
     info = result.get("parallelism_info") if isinstance(result, dict) else None
     if not isinstance(info, dict):
-        raise _Failed(f"a result without parallelism_info: {str(result)[:200]}")
+        raise Failed(f"a result without parallelism_info: {str(result)[:200]}")
     ident: dict[str, Any] = {"role": "engine"}
     rank = next((info[k] for k in _RANK_KEYS if info.get(k) is not None), None)
     for col, value in (("rank", rank), *((c, info.get(k)) for c, k in _COORD_KEYS.items())):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-            raise _Failed(f"parallelism_info has a non-integer {col}: {value!r}")
+            raise Failed(f"parallelism_info has a non-integer {col}: {value!r}")
         ident[col] = value
     if all(ident[c] is None for c in IDENTITY):
-        raise _Failed(f"parallelism_info names no rank coordinate (tp_rank, pp_rank, dp_rank, ep_rank, rank): {str(info)[:200]}")
+        raise Failed(f"parallelism_info names no rank coordinate (tp_rank, pp_rank, dp_rank, ep_rank, rank): {str(info)[:200]}")
     host = info.get("host") or info.get("hostname")
     ident["host"] = str(host) if host is not None else None
     return ident
@@ -128,13 +125,13 @@ def _parallel_identity(result: Any) -> dict[str, Any]:
 def _checksum_rows(result: dict[str, Any], ident: Mapping[str, Any], phase: str, regex: Callable[[str], bool] | None) -> list[dict[str, Any]]:
     sums = result.get("checksums")
     if not isinstance(sums, dict):
-        raise _Failed(f"no checksums in this rank's result: {str(result)[:200]}")
+        raise Failed(f"no checksums in this rank's result: {str(result)[:200]}")
     rows = []
     for name, value in sums.items():
         if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
             value = format(value, "x")
         if not isinstance(value, str) or not _HEX.match(value):
-            raise _Failed(f"checksum of {name!r} is not hex: {value!r}")
+            raise Failed(f"checksum of {name!r} is not hex: {value!r}")
         if regex is None or regex(str(name)):
             rows.append({"name": str(name), "digest": value.lower(), "algo": SGLANG_ALGO, "phase": phase, **ident})
     return rows
@@ -164,21 +161,21 @@ def from_sglang(
     except EngineEndpointError as e:
         if e.kind == "missing":
             raise
-        return _assemble([], [{"url": base, "kind": e.kind, "error": str(e)}])
+        return assemble([], [{"url": base, "kind": e.kind, "error": str(e)}])
     collected, failed = [], []
     for i, result in enumerate(results):
         ident: dict[str, Any] = {}
         label = f"{base} result {i}"
         try:
             ident = _parallel_identity(result)
-            label = _rank_label(base, ident)
+            label = target_label(base, ident)
             if result.get("success") is False:
-                raise _Failed(f"checksum failed on this rank: {result.get('message') or 'no message'}")
+                raise Failed(f"checksum failed on this rank: {result.get('message') or 'no message'}")
             rows = _checksum_rows(result, ident, phase, regex)
-            collected.append((label, ident, dict(result["parallelism_info"]), _rows_frame(rows, ident, label, "checksum")))
-        except _Failed as e:
+            collected.append((label, ident, dict(result["parallelism_info"]), rows_frame(rows, ident, label, "checksum")))
+        except Failed as e:
             failed.append({"url": label, "kind": "failed", "error": str(e), **ident})
-    return _assemble(collected, failed, filtered=name is not None)
+    return assemble(collected, failed, filtered=name is not None)
 
 
 def sglang_action(
@@ -211,10 +208,10 @@ def sglang_action(
     labelled: list[tuple[str, Any, str | None]] = []
     for i, result in enumerate(results):
         try:
-            label, error = _rank_label(base, _parallel_identity(result)), None
+            label, error = target_label(base, _parallel_identity(result)), None
             if result.get("success") is False:
                 error = f"{action} failed on this rank: {result.get('message') or 'no message'}"
-        except _Failed as e:
+        except Failed as e:
             label, error = f"{base} result {i}", str(e)
         labelled.append((label, result, error))
     labels = [lb for lb, _, _ in labelled]
@@ -227,102 +224,3 @@ def sglang_action(
         else:
             out.errors[label] = error
     return out
-
-
-@dataclass
-class SglangEndstate:
-    """What :func:`sglang_endstate` found: verdicts, the checksum fetch of each phase,
-    SGLang's own ``compare`` after the reload, and the ranks that did not answer."""
-
-    verdicts: pd.DataFrame
-    fetches: dict[str, FetchResult]
-    compare: ActionResult | None = None
-    unreachable: pd.DataFrame = field(default_factory=pd.DataFrame)
-
-    @property
-    def summary(self) -> str:
-        line = endstate_summary(self.verdicts)
-        if self.compare is not None:
-            line += "; SGLang's compare: " + self.compare.summary
-        return line
-
-    def __str__(self) -> str:
-        return self.summary
-
-
-def _dead_ranks(fetches: Mapping[str, FetchResult]) -> pd.DataFrame:
-    """Ranks that failed in some phase, or answered in one phase and are absent from another."""
-    ids = list(IDENTITY)
-    failed = [f.failed[ids] for f in fetches.values() if len(f.failed)]
-    present = {p: f.frame[ids].drop_duplicates() for p, f in fetches.items()}
-    everyone = pd.concat(list(present.values()), ignore_index=True).drop_duplicates()
-    absent = []
-    for frame in present.values():
-        m = everyone.merge(frame.assign(_here=True), on=ids, how="left")
-        absent.append(m[m["_here"].isna()][ids])
-    parts = [p for p in failed + absent if len(p)]
-    if not parts:
-        return pd.DataFrame({c: pd.Series(dtype="Int64") for c in ids})
-    return pd.concat(parts, ignore_index=True).astype("Int64").drop_duplicates().reset_index(drop=True)
-
-
-def sglang_endstate(
-    base_url: str,
-    reload: Callable[[], object],
-    *,
-    client: httpx.Client | None = None,
-    transport: httpx.BaseTransport | None = None,
-    timeout_s: float = 120.0,
-    allow_partial_reset: bool = False,
-    compare: bool = True,
-) -> SglangEndstate:
-    """The end-state check on a running SGLang, classified by :func:`wcviz.endstate.classify`.
-
-    snapshot, checksum (phase ``snapshot``); reset_tensors, checksum (``reset``);
-    ``reload()`` - the caller's weight update, e.g. the trainer sending its weights
-    again - then checksum (``reload``); and, if ``compare``, SGLang's own ``compare``.
-    SGLang's ``reset_tensors`` writes random values, so no reset digest can prove that
-    it overwrote a whole parameter: a parameter whose reload equals its snapshot is
-    ``unproven``, never ``match`` (``unwritten`` and ``corrupted`` still stand).
-    A rank that failed or went missing in any phase is ``unreachable`` in the verdicts.
-    As :func:`wcviz.endstate.run_check` does, the reload runs even when the reset
-    failed, so the engine is restored before the error is raised; a failed reload raises
-    :class:`wcviz.endstate.EngineLeftPoisoned`.
-    """
-    if not callable(reload):
-        raise TypeError(f"reload must be a callable that runs the weight update, got {type(reload).__name__}")
-    opts: dict[str, Any] = {"client": client, "transport": transport, "timeout_s": timeout_s}
-
-    def reload_or_raise(after: str) -> None:
-        try:
-            reload()
-        except Exception as e:
-            raise EngineLeftPoisoned(
-                f"reload failed {after}: {type(e).__name__}: {e}; the engine is left with reset tensors "
-                "(not weights): rerun the weight update before serving"
-            ) from e
-
-    snap_ack = sglang_action(base_url, "snapshot", **opts)
-    if not snap_ack.answers:
-        raise EngineEndpointError(f"snapshot failed on every rank, nothing was changed: {snap_ack.summary}")
-    fetches = {"snapshot": from_sglang(base_url, phase="snapshot", **opts)}
-    if not len(fetches["snapshot"].frame):
-        raise EngineEndpointError(f"no rank gave snapshot checksums, nothing was changed: {fetches['snapshot'].summary}")
-    try:
-        reset_ack = sglang_action(base_url, "reset_tensors", **opts)
-        if reset_ack.errors:
-            raise EngineEndpointError(f"reset_tensors did not complete, the check is void: {reset_ack.summary}")
-        fetches["reset"] = from_sglang(base_url, phase="reset", **opts)
-    except Exception as e:
-        reload_or_raise(f"while restoring after the reset failed ({type(e).__name__}: {e})")
-        raise
-    reload_or_raise("after the reset")
-    fetches["reload"] = from_sglang(base_url, phase="reload", **opts)
-    compared = sglang_action(base_url, "compare", **opts) if compare else None
-    dead = _dead_ranks(fetches)
-    verdicts = classify(
-        fetches["snapshot"].frame, fetches["reset"].frame, fetches["reload"].frame,
-        allow_partial_reset=allow_partial_reset, reset_pattern="unknown", unreachable=dead,
-    )  # fmt: skip
-    return SglangEndstate(verdicts=verdicts, fetches=fetches, compare=compared, unreachable=dead)
-

@@ -8,20 +8,12 @@ from typing import TYPE_CHECKING, Any
 import pandas as pd
 
 from wcviz.digest import DEFAULT_ALGO, digest_timed
-from wcviz.frame import RANK_FIELDS, make_frame, shape_str
+from wcviz.frame import check_rank_info, make_frame, shape_str
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["from_module", "from_state_dict", "from_named_tensors", "check_rank_info"]
-
-
-def check_rank_info(rank_info: Mapping[str, Any]) -> dict[str, Any]:
-    """The rank fields a source was given, or a ``TypeError`` naming the unknown ones."""
-    unknown = sorted(set(rank_info) - set(RANK_FIELDS))
-    if unknown:
-        raise TypeError(f"unknown rank field(s) {', '.join(unknown)}; allowed: {', '.join(RANK_FIELDS)}")
-    return dict(rank_info)
+__all__ = ["from_module", "from_state_dict", "from_named_tensors"]
 
 
 def from_named_tensors(

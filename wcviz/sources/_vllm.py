@@ -16,25 +16,24 @@ go to :attr:`FetchResult.frame`, or it gets a row in :attr:`FetchResult.failed` 
 the identity ``wcviz_info`` gave, when it gave one). The ``url`` column holds a label
 per worker, ``<where> rank <N>``.
 
-This module also holds the pieces the other engine sources (SGLang, Ray) share: the
-:class:`EngineEndpointError` and the assembly of a :class:`FetchResult` from per-rank
-outcomes.
+Everything an answer must be, and the :class:`FetchResult` built from the answers, is
+:mod:`wcviz.sources._fleet`'s; :class:`EngineEndpointError` (an engine endpoint that
+fails as a whole) is shared with the SGLang source.
 """
 
 from __future__ import annotations
 
 import time
-from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import httpx
-import pandas as pd
 
-from wcviz._errors import TableError, WcvizError
+from wcviz._errors import WcvizError
+from wcviz._text import one_line
 from wcviz.digest import DEFAULT_ALGO
-from wcviz.frame import IDENTITY, make_frame, validate
-from wcviz.sources._http import _KEY, FAILED_COLUMNS, FetchResult, _Failed, _message, _short, empty_reason
+from wcviz.frame import IDENTITY
+from wcviz.sources._fleet import Failed, FetchResult, assemble, identity_of, key_of, message_of, rows_frame
 
 __all__ = ["EngineEndpointError", "from_vllm_http", "from_vllm_llm", "vllm_collective_rpc"]
 
@@ -55,128 +54,12 @@ class EngineEndpointError(WcvizError, RuntimeError):
         self.kind = kind
 
 
-# --------------------------------------------------------------------------- shared assembly
-
-
-def _identity_of(info: Any, what: str) -> dict[str, Any]:
-    """The identity a worker's info claims (role, rank, dp, pp, tp, ep, host), or ``_Failed``."""
-    if not isinstance(info, dict):
-        raise _Failed(f"{what} answered {str(info)[:200]!r}, not a worker's info")
-    if info.get("rank") is None and "error" in info:
-        raise _Failed(f"{what} answered an error: {info['error']}")
-    if not isinstance(info.get("role"), str) or not isinstance(info.get("rank"), int) or isinstance(info.get("rank"), bool):
-        raise _Failed(f"{what} is not a worker's info (needs a role and an integer rank): {str(info)[:200]}")
-    for k in ("dp", "pp", "tp", "ep"):
-        if info.get(k) is not None and (not isinstance(info[k], int) or isinstance(info[k], bool)):
-            raise _Failed(f"{what} has a non-integer {k}: {info[k]!r}")
-    return {k: info.get(k) for k in ("role", "rank", "dp", "pp", "tp", "ep", "host")}
-
-
-def _rows_frame(rows: Any, ident: Mapping[str, Any], label: str, what: str) -> pd.DataFrame:
-    """Rows as a schema-valid frame that carries exactly ``ident``, with a ``url`` column."""
-    if isinstance(rows, pd.DataFrame):
-        rows = rows.to_dict(orient="records")
-    if not isinstance(rows, list) or not all(isinstance(r, Mapping) for r in rows):
-        raise _Failed(f"{what} did not give a list of row dicts: {str(rows)[:200]}")
-    try:
-        frame = make_frame(rows)
-    except TableError as e:
-        raise _Failed(f"{what} is not a digest table: {e}") from None
-    for k in _KEY:
-        want = ident.get(k)
-        col = frame[k]
-        wrong = col.notna() if want is None else (col.isna() | (col != want))
-        if bool(wrong.any()):
-            raise _Failed(f"{what} rows claim {k}={col[wrong].iloc[0]!r} but the worker's info says {k}={want!r}")
-    frame["url"] = label
-    return frame
-
-
-def _rank_label(where: str, ident: Mapping[str, Any]) -> str:
+def target_label(where: str, ident: Mapping[str, Any]) -> str:
+    """``<where> rank N`` (or ``<where> dp=0 tp=1 ...`` without a rank): names one rank behind one endpoint."""
     if ident.get("rank") is not None:
         return f"{where} rank {ident['rank']}"
-    coords = " ".join(f"{k}={ident[k]}" for k in ("dp", "pp", "tp", "ep") if ident.get(k) is not None)
+    coords = " ".join(f"{k}={ident[k]}" for k in IDENTITY[1:] if ident.get(k) is not None)
     return f"{where} {coords}" if coords else where
-
-
-def _key(ident: Mapping[str, Any]) -> tuple[Any, ...]:
-    return tuple(ident.get(k) for k in _KEY)
-
-
-def _sortable(key: tuple[Any, ...]) -> tuple[Any, ...]:
-    """An identity key that sorts with None last (role, then rank, dp, pp, tp, ep)."""
-    return tuple((v is None, v if v is not None else 0) for v in key)
-
-
-def _assemble(
-    collected: Sequence[tuple[str, dict[str, Any], dict[str, Any], pd.DataFrame]],
-    failed: Sequence[dict[str, Any]],
-    *,
-    filtered: bool = False,
-) -> FetchResult:
-    """A :class:`FetchResult` from ``(label, identity, info, frame)`` of the ranks collected and
-    failure rows (``url``, ``kind``, ``error`` and the identity known); two claims of one rank
-    fail both, and a rank with no parameters is ``empty`` (``filtered``: the rows were filtered
-    by name, so no rows alone does not make a rank empty). Labels given twice get `` #1``,
-    `` #2``, so each names one target."""
-    failures = [dict(f) for f in failed]
-    kept_collected = []
-    for label, ident, info, frame in collected:
-        why = empty_reason(info, len(frame), filtered)
-        if why is None:
-            kept_collected.append((label, ident, info, frame))
-        else:
-            failures.append({"url": label, "kind": "empty", "error": why, **ident})
-    collected = kept_collected
-    kept: list[tuple[str, dict[str, Any], pd.DataFrame]] = []
-    by_key: dict[tuple[Any, ...], list[tuple[str, dict[str, Any], dict[str, Any], pd.DataFrame]]] = {}
-    for item in collected:
-        by_key.setdefault(_key(item[1]), []).append(item)
-    for key, claims in sorted(by_key.items(), key=lambda kv: _sortable(kv[0])):
-        if len(claims) > 1:  # neither can be trusted to be that rank
-            rank = ", ".join(f"{k}={v}" for k, v in zip(_KEY, key) if v is not None)
-            for label, ident, _, _ in claims:
-                failures.append({"url": label, "kind": "failed", "error": f"{len(claims)} answers claim the same rank ({rank})", **ident})
-            continue
-        label, _, info, frame = claims[0]
-        kept.append((label, info, frame))
-
-    counts = Counter([lb for lb, _, _ in kept] + [str(f["url"]) for f in failures])
-    seen: Counter[str] = Counter()
-
-    def unique(label: str) -> str:
-        if counts[label] == 1:
-            return label
-        seen[label] += 1
-        return f"{label} #{seen[label]}"
-
-    kept = [(unique(lb), info, frame) for lb, info, frame in kept]
-    for f in failures:
-        f["url"] = unique(str(f["url"]))
-    frames = []
-    for label, _, frame in kept:
-        frame["url"] = label
-        if len(frame):
-            frames.append(frame)
-    if frames:  # ordered by rank identity, never by arrival
-        frame = pd.concat(frames, ignore_index=True).sort_values(list(_KEY), kind="stable", na_position="last")
-        frame = validate(frame.reset_index(drop=True), source="engine")
-    else:
-        frame = make_frame([])
-        frame["url"] = pd.Series(dtype="string")
-    frame["url"] = frame["url"].astype("string")
-
-    failures.sort(key=lambda row: (_sortable(_key(row)), str(row["url"])))
-    failed_frame = pd.DataFrame([{c: row.get(c) for c in FAILED_COLUMNS} for row in failures], columns=list(FAILED_COLUMNS))
-    for c in FAILED_COLUMNS:
-        failed_frame[c] = failed_frame[c].astype("Int64" if c in IDENTITY else "string")
-    return FetchResult(
-        urls=tuple([lb for lb, _, _ in kept] + [str(f["url"]) for f in failures]),
-        frame=frame,
-        failed=failed_frame,
-        errors={str(f["url"]): str(f["error"]) for f in failures},
-        infos={lb: info for lb, info, _ in kept},
-    )
 
 
 # --------------------------------------------------------------------------- vLLM
@@ -245,7 +128,7 @@ def vllm_collective_rpc(
                 raise EngineEndpointError(f"POST {url} ({method}) got no answer within {timeout_s + _GRACE_S} s", "unreachable") from e
             except httpx.TransportError as e:
                 if attempt == retries:
-                    raise EngineEndpointError(f"POST {url} ({method}): {_short(e)}", "unreachable") from e
+                    raise EngineEndpointError(f"POST {url} ({method}): {one_line(e)}", "unreachable") from e
     finally:
         if own:
             http.close()
@@ -256,7 +139,7 @@ def vllm_collective_rpc(
             "missing",
         )
     if resp.status_code != 200:
-        raise EngineEndpointError(f"collective_rpc {method!r} failed for the whole engine: HTTP {resp.status_code}: {_message(resp)}")
+        raise EngineEndpointError(f"collective_rpc {method!r} failed for the whole engine: HTTP {resp.status_code}: {message_of(resp)}")
     try:
         answer = resp.json()
     except ValueError:
@@ -271,7 +154,7 @@ Call = Callable[[str, dict[str, str]], list[Any]]
 
 
 def _hint(method: str, e: BaseException) -> str:
-    return f"collective_rpc {method!r} failed for the whole engine: {e if isinstance(e, EngineEndpointError) else _short(e)}"
+    return f"collective_rpc {method!r} failed for the whole engine: {e if isinstance(e, EngineEndpointError) else one_line(e)}"
 
 
 def _collect(call: Call, where: str, kwargs: dict[str, str], name: str | None) -> FetchResult:
@@ -282,20 +165,20 @@ def _collect(call: Call, where: str, kwargs: dict[str, str], name: str | None) -
         if e.kind == "missing":
             raise
         msg = _hint("wcviz_info", e) + (f" (are the workers started with worker_extension_cls={EXTENSION}?)" if e.kind == "failed" else "")
-        return _assemble([], [{"url": where, "kind": e.kind, "error": msg}])
+        return assemble([], [{"url": where, "kind": e.kind, "error": msg}])
     except Exception as e:  # noqa: BLE001 - in-process: any worker error fails the whole call
         kind = "unreachable" if isinstance(e, TimeoutError) else "failed"
         msg = _hint("wcviz_info", e) + (f" (are the workers started with worker_extension_cls={EXTENSION}?)" if kind == "failed" else "")
-        return _assemble([], [{"url": where, "kind": kind, "error": msg}])
+        return assemble([], [{"url": where, "kind": kind, "error": msg}])
     if not isinstance(infos, list):
-        return _assemble([], [{"url": where, "kind": "failed", "error": f"collective_rpc 'wcviz_info' did not give a list: {str(infos)[:200]}"}])
+        return assemble([], [{"url": where, "kind": "failed", "error": f"collective_rpc 'wcviz_info' did not give a list: {str(infos)[:200]}"}])
 
     failed: list[dict[str, Any]] = []
-    known: list[dict[str, Any]] = []  # the identities wcviz_info gave (duplicates fail later, in _assemble)
+    known: list[dict[str, Any]] = []  # the identities wcviz_info gave (duplicates fail later, in assemble)
     for i, info in enumerate(infos):
         try:
-            known.append(_identity_of(info, "wcviz_info"))
-        except _Failed as e:
+            known.append(identity_of(info, "wcviz_info"))
+        except Failed as e:
             failed.append({"url": f"{where} worker result {i}", "kind": "failed", "error": str(e)})
 
     try:
@@ -304,13 +187,13 @@ def _collect(call: Call, where: str, kwargs: dict[str, str], name: str | None) -
         if isinstance(e, EngineEndpointError) and e.kind == "missing":
             raise
         kind = e.kind if isinstance(e, EngineEndpointError) else "unreachable" if isinstance(e, TimeoutError) else "failed"
-        rows = [{"url": _rank_label(where, ident), "kind": kind, "error": _hint("wcviz_digests", e), **ident} for ident in known]
+        rows = [{"url": target_label(where, ident), "kind": kind, "error": _hint("wcviz_digests", e), **ident} for ident in known]
         rows = rows or [{"url": where, "kind": kind, "error": _hint("wcviz_digests", e)}]
-        return _assemble([], failed + rows + _never_reached(where, infos, known))
+        return assemble([], failed + rows + _never_reached(where, infos, known))
     if not isinstance(results, list):
         results = [results]
 
-    listed = {_key(ident) for ident in known}
+    listed = {key_of(ident) for ident in known}
     collected = []
     answered: set[tuple[Any, ...]] = set()
     for i, res in enumerate(results):
@@ -318,26 +201,26 @@ def _collect(call: Call, where: str, kwargs: dict[str, str], name: str | None) -
         label = f"{where} worker result {i}"
         try:
             if not isinstance(res, dict) or not isinstance(res.get("info"), dict):
-                raise _Failed(f"wcviz_digests answered {str(res)[:200]!r}, not {{'info': ..., 'rows': [...]}}")
-            ident = _identity_of(res["info"], "wcviz_digests")
-            label = _rank_label(where, ident)
-            answered.add(_key(ident))
-            if _key(ident) not in listed:
-                raise _Failed("answered wcviz_digests but was not among the workers wcviz_info listed")
+                raise Failed(f"wcviz_digests answered {str(res)[:200]!r}, not {{'info': ..., 'rows': [...]}}")
+            ident = identity_of(res["info"], "wcviz_digests")
+            label = target_label(where, ident)
+            answered.add(key_of(ident))
+            if key_of(ident) not in listed:
+                raise Failed("answered wcviz_digests but was not among the workers wcviz_info listed")
             if "error" in res:
-                raise _Failed(f"wcviz_digests failed on this worker: {res['error']}")
-            frame = _rows_frame(res.get("rows"), ident, label, "wcviz_digests")
+                raise Failed(f"wcviz_digests failed on this worker: {res['error']}")
+            frame = rows_frame(res.get("rows"), ident, label, "wcviz_digests")
             params = res["info"].get("params")
             if name is None and isinstance(params, int) and len(frame) != params:
-                raise _Failed(f"the worker counts {params} parameters but wcviz_digests gave {len(frame)} rows")
+                raise Failed(f"the worker counts {params} parameters but wcviz_digests gave {len(frame)} rows")
             collected.append((label, ident, res["info"], frame))
-        except _Failed as e:
+        except Failed as e:
             failed.append({"url": label, "kind": "failed", "error": str(e), **ident})
     for ident in known:
-        if _key(ident) not in answered:
-            failed.append({"url": _rank_label(where, ident), "kind": "failed", "error": "gave wcviz_info but no wcviz_digests result", **ident})
+        if key_of(ident) not in answered:
+            failed.append({"url": target_label(where, ident), "kind": "failed", "error": "gave wcviz_info but no wcviz_digests result", **ident})
     failed += _never_reached(where, infos, known)
-    return _assemble(collected, failed, filtered=name is not None)
+    return assemble(collected, failed, filtered=name is not None)
 
 
 def _never_reached(where: str, infos: list[Any], known: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -15,14 +15,14 @@ from dataclasses import dataclass
 import pandas as pd
 
 from wcviz._errors import TableError
+from wcviz._text import rank_label
 from wcviz.frame import IDENTITY, parse_block, parse_layer
+from wcviz.verdicts import SEVERITY  # worst first: both verdict kinds' statuses
 
 __all__ = ["NO_RANKS", "SEVERITY", "layer_rank_counts", "layer_rank_grid"]
 
-from wcviz.verdicts import SEVERITY  # worst first: both verdict kinds' statuses
 NO_RANKS = "all"  # the one column of a frame without rank coordinates
 
-_PREFIX = {"rank": "r", "dp": "dp", "pp": "pp", "tp": "tp", "ep": "ep"}
 _PART_ORDER = {"embed": 0, "layer": 1, "norm": 2, "head": 3, "other": 4}
 
 
@@ -47,8 +47,7 @@ class Layout:
 
 def _label(coords: pd.Series, used: list[str]) -> str:
     """``r0 pp0 tp1``: each used coordinate the rank has, prefixed by its name."""
-    pieces = [f"{_PREFIX[c]}{int(coords[c])}" for c in used if not pd.isna(coords[c])]
-    return " ".join(pieces) or "(no rank)"
+    return rank_label({c: coords[c] for c in used}, "compact")
 
 
 def _parts(v: pd.DataFrame) -> tuple[pd.Series, pd.Series, pd.Series]:

@@ -9,7 +9,7 @@
     legend: . same as snapshot  U equal to the reset (unwritten)
 
 Reads digest frames only: ``{phase: frame}`` (the key names the phase, as
-:attr:`wcviz.check.EndStateReport.frames`) or one long frame with a ``phase``
+:attr:`wcviz.endstate.EndStateReport.frames`) or one long frame with a ``phase``
 column. Each cell is the first 8 hex characters of the digest, judged against the
 same rank's snapshot and reset digests of that parameter (full digests compared).
 """

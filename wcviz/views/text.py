@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import pandas as pd
 
+from wcviz._text import listing, plural
+from wcviz.verdicts import status_parts
 from wcviz.views._grid import SEVERITY, Layout, layout, worst_severity
 
 __all__ = ["MARKS", "NOT_HELD", "layer_rank_text", "status_counts_text"]
@@ -40,17 +42,7 @@ MARKS = {
     "match": ".",
 }
 NOT_HELD = "-"  # the rank holds nothing of that part
-_SHOWN = 8  # ranks a totals line names before "+N more"
 assert set(MARKS) == set(SEVERITY)
-
-
-def _plural(n: int, word: str) -> str:
-    return f"{n:,} {word}{'s' if n != 1 else ''}"
-
-
-def _listing(items: list[str]) -> str:
-    more = len(items) - _SHOWN
-    return ", ".join(items[:_SHOWN]) + (f", +{more} more" if more > 0 else "")
 
 
 def _header(lay: Layout, shown: list[str]) -> tuple[list[tuple[str, list[str]]], int]:
@@ -91,7 +83,7 @@ def _totals(lay: Layout) -> list[str]:
         if lay.used:
             on = set(rows.loc[rows["severity"] == i, "rank"])
             ranks = [r for r in lay.ranks if r in on]
-            line += f" on {_plural(len(ranks), 'rank')}" + ("" if status == "match" else f": {_listing(ranks)}")
+            line += f" on {plural(len(ranks), 'rank')}" + ("" if status == "match" else f": {listing(ranks)}")
         out.append(line)
     return out
 
@@ -129,7 +121,7 @@ def layer_rank_text(verdicts: pd.DataFrame, *, max_ranks: int | None = None) -> 
     hidden = [r for r in lay.ranks if r not in set(shown)]
     if hidden:
         bad = int((worst[hidden].min() < SEVERITY.index("match")).sum())
-        out.append(f"{len(hidden)} of {_plural(len(lay.ranks), 'rank')} not shown ({f'{bad} with findings' if bad else 'all match'})")
+        out.append(f"{len(hidden)} of {plural(len(lay.ranks), 'rank')} not shown ({f'{bad} with findings' if bad else 'all match'})")
     out.extend(_totals(lay))
     return "\n".join(out)
 
@@ -137,19 +129,10 @@ def layer_rank_text(verdicts: pd.DataFrame, *, max_ranks: int | None = None) -> 
 def status_counts_text(verdicts: pd.DataFrame) -> str:
     """One line: ranks, verdicts, then each status that occurs, worst first, with how many ranks it is on.
 
-    ``4 ranks, 24 verdicts: 3 unwritten on 1 rank, 21 match``
+    ``4 ranks, 24 verdicts: 3 unwritten on 1 rank, 21 match`` (the counts of
+    :func:`wcviz.verdicts.status_parts`, without naming the ranks).
     """
     lay = layout(verdicts)
-    rows = lay.cells.drop_duplicates("row")
-    n = len(verdicts)
-    parts = []
-    for i, status in enumerate(SEVERITY):
-        hit = rows[rows["severity"] == i]
-        if not len(hit):
-            continue
-        part = f"{len(hit):,} {status}"
-        if lay.used and status != "match":
-            part += f" on {_plural(hit['rank'].nunique(), 'rank')}"
-        parts.append(part)
-    head = (f"{_plural(len(lay.ranks), 'rank')}, " if lay.used else "") + _plural(n, "verdict")
+    parts = status_parts(verdicts, name_ranks=False)
+    head = (f"{plural(len(lay.ranks), 'rank')}, " if lay.used else "") + plural(len(verdicts), "verdict")
     return f"{head}: {', '.join(parts) or 'nothing to check'}"

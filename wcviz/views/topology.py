@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 import pandas as pd
 
 from wcviz._errors import TableError
+from wcviz._text import plural
 from wcviz.views._grid import SEVERITY, layout
 from wcviz.views.plots import COLORS, _ink
 from wcviz.views.text import MARKS
@@ -186,16 +187,12 @@ def topology(verdicts: pd.DataFrame) -> Topology:
     )
 
 
-def _plural(n: int, word: str) -> str:
-    return f"{n:,} {word}{'s' if n != 1 else ''}"
-
-
 def _headline(top: Topology) -> str:
     shape = " × ".join(f"{c} {n}" for c, n in top.sizes.items())
-    hosts = f"on {_plural(top.known_hosts, 'host')}" if top.known_hosts else "hosts not reported"
+    hosts = f"on {plural(top.known_hosts, 'host')}" if top.known_hosts else "hosts not reported"
     if top.known_hosts and top.known_hosts < len(top.groups):
         hosts += " (some not reported)"
-    ranks = _plural(top.n_ranks, "rank") if top.located else "no rank coordinates"
+    ranks = plural(top.n_ranks, "rank") if top.located else "no rank coordinates"
     return f"topology: {ranks}" + (f", {shape}" if shape else "") + f", {hosts}"
 
 
@@ -203,7 +200,7 @@ def _trainer_line(top: Topology) -> str | None:
     if not top.trainer_hosts:
         return None
     shared = top.colocated
-    line = f"trainer on {_plural(len(top.trainer_hosts), 'host')}: {', '.join(top.trainer_hosts)}"
+    line = f"trainer on {plural(len(top.trainer_hosts), 'host')}: {', '.join(top.trainer_hosts)}"
     return line + (f"; colocated with the engine on {', '.join(shared)}" if shared else "; none shared with the engine")
 
 

@@ -1,85 +1,49 @@
-"""The end-state check: prove, rank by rank, that a reload writes every weight back.
+"""The end-state check's judgement: from three phases' digest frames to one verdict per (rank, parameter).
 
-As SGLang's weight checker, NeMo-RL's value check and slime's
-``--check-weight-update-equal`` do it, for every engine rank:
+Order of the check, for every engine rank (the session that runs it is
+:mod:`wcviz.endstate.session`):
 
 1. **snapshot** - digest what the rank holds (phase ``snapshot``);
-2. **reset** - overwrite every parameter with a known pattern (:func:`poison_`) and
-   digest again (phase ``reset``). The pattern's bytes, each parameter's dtype and
-   shape are known, so the digest a *fully* reset parameter must have is computable
-   (:func:`wcviz.digest._fill.fill_digest`); the check is void when a reset digest is
-   anything else (:func:`reset_coverage`, :class:`ResetNotCovered`): a parameter the
-   reset changed only in part cannot show whether the update wrote the rest;
+2. **reset** - overwrite every parameter with a known pattern
+   (:func:`wcviz.endstate.poison_`) and digest again (phase ``reset``). The pattern's
+   bytes, each parameter's dtype and shape are known, so the digest a *fully* reset
+   parameter must have is computable (:func:`wcviz.digest.fill_digest`); the check
+   is void when a reset digest is anything else (:func:`reset_coverage`,
+   :class:`ResetNotCovered`): a parameter the reset changed only in part cannot show
+   whether the update wrote the rest;
 3. **reload** - run the weight update again and digest (phase ``reload``);
-4. **classify** - compare reload with snapshot per (rank, parameter), see
-   :data:`ENDSTATE_STATUSES`.
-
-Statuses, most severe first:
-
-- ``corrupted``   the reload holds a third value: neither the snapshot nor the poison;
-- ``unwritten``   the reload still holds the poison: the update never wrote it;
-- ``missing``     in the snapshot, absent after the reload;
-- ``empty``       the rank answered with no parameters in some phase (weights released
-  or offloaded, a mis-wired holder; it is named in ``empty``);
-- ``unreachable`` the rank did not answer in some phase (it is named in ``unreachable``):
-  nothing about its weights is proven. A rank with no rows at all gets one row with
-  an empty ``name``, so a dead or empty rank is never silently absent;
-- ``unexpected``  present after the reload, absent from the snapshot;
-- ``unproven``    the reload holds what the snapshot held, but the reset did not prove
-  it overwrote the whole parameter with something else (a partial reset allowed with
-  ``allow_partial_reset``, an engine reset of random values, a parameter that already
-  held the reset pattern): the update may not have written it. Never counted as a match;
-- ``match``       the reload holds what the snapshot held, and the reset had provably
-  overwritten all of it (or it holds no bytes).
+4. **classify** - compare reload with snapshot per (rank, parameter). The statuses
+   (``corrupted``, ``unwritten``, ``missing``, ``empty``, ``unreachable``,
+   ``unexpected``, ``unproven``, ``match``) and the verdict columns are
+   :mod:`wcviz.verdicts`'.
 
 Ranks are matched by their coordinates (:data:`wcviz.frame.IDENTITY`), never by row
-order. Nothing here fetches: :func:`classify` reads frames, :func:`run_check` drives
-callables (agents, in-process shards) that the caller supplies.
+order. Nothing here fetches or acts: it reads frames.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Iterable, Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import pandas as pd
 
 from wcviz._errors import AlgorithmMismatch, TableError, WcvizError
-from wcviz.frame import IDENTITY, check_identities, validate
-from wcviz.verdicts import _check_unique
+from wcviz._text import listing, rank_label
+from wcviz.endstate.poison import POISON_BYTES
+from wcviz.frame import IDENTITY, check_identities, check_unique_keys, validate
+from wcviz.verdicts import ENDSTATE_STATUSES, worst_first
 
-if TYPE_CHECKING:
-    import torch
+__all__ = ["PHASES", "RESET_PATTERNS", "ResetNotCovered", "classify", "reset_coverage"]
 
-__all__ = [
-    "ENDSTATE_STATUSES",
-    "PHASES",
-    "POISON_BYTE",
-    "POISON_BYTES",
-    "RESET_PATTERNS",
-    "EngineLeftPoisoned",
-    "ResetNotCovered",
-    "classify",
-    "poison_",
-    "reset_coverage",
-    "run_check",
-    "summary",
-]
-
-ENDSTATE_STATUSES = (  # most severe first
-    "corrupted", "unwritten", "missing", "empty", "unreachable", "unexpected", "unproven", "match",
-)  # fmt: skip
 PHASES = ("snapshot", "reset", "reload")
-POISON_BYTE = 0xA5  # 1010_0101: no float8/16/32/64 NaN, no common init value, never all-zero
-POISON_BYTES = (POISON_BYTE, 0x5A)  # alternate resets use the other: a leftover poison still changes
 # What a reset writes: wcviz's poison (either byte), zeros (vLLM's own reset), one given byte
 # (an int), or "unknown" (SGLang's random values): then no reset can prove coverage.
 RESET_PATTERNS = ("poison", "zeros", "unknown")
 
 _KEYS = [*IDENTITY, "name"]
-_SHOWN = 8  # ranks / parameters an error or summary names before "+N more"
 
 
 class ResetNotCovered(WcvizError, RuntimeError):
@@ -96,100 +60,6 @@ class ResetNotCovered(WcvizError, RuntimeError):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (str(self), self.coverage, self.poisoned))
-
-
-class EngineLeftPoisoned(WcvizError, RuntimeError):
-    """The reload (or restoring after a failed reset) failed: the engine still holds poison.
-
-    ``poisoned`` names the ranks left poisoned, when they are known.
-    """
-
-    def __init__(self, message: str, poisoned: tuple[str, ...] = ()) -> None:
-        super().__init__(message)
-        self.poisoned = poisoned
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (str(self), self.poisoned))
-
-
-# --------------------------------------------------------------------------- poison
-
-
-def _named(tensors: Any, include_buffers: bool) -> list[tuple[str, torch.Tensor]]:
-    import torch
-
-    if isinstance(tensors, torch.nn.Module):
-        named: list[tuple[str, torch.Tensor]] = list(tensors.named_parameters(remove_duplicate=False))
-        if include_buffers:
-            named += list(tensors.named_buffers(remove_duplicate=False))
-        return named
-    if isinstance(tensors, Mapping):
-        return list(tensors.items())
-    if isinstance(tensors, Iterable):
-        return list(tensors)
-    raise TypeError(f"poison_ expects a module, a mapping of name -> tensor or (name, tensor) pairs, got {type(tensors).__name__}")
-
-
-def poison_(
-    tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]] | torch.nn.Module,
-    *,
-    include_buffers: bool = False,
-    byte: int = POISON_BYTE,
-) -> None:
-    """Overwrite every byte of every tensor, in place, with ``byte`` (one of :data:`POISON_BYTES`).
-
-    Alternate the byte between resets: a parameter a failed reload left holding the
-    last poison would not change under the same poison again, and the check would be void.
-
-    Works on bytes (each tensor is viewed as a same-width integer), so every dtype
-    is poisoned alike - bool, float8, bf16, 0-d, all-zero, strided views - and the
-    pattern is deterministic, finite for every float format and unlike any trained
-    or initialised weight. Poisoned values are not meant to be computed with (a
-    bool holds byte 0xA5). Empty tensors hold no bytes and cannot change: the
-    reset does not *cover* them (:func:`reset_coverage` lists them apart). A
-    module's buffers are left alone unless ``include_buffers``: a weight update
-    usually does not resend them. A tensor that already holds only 0xA5 bytes does
-    not change either; the coverage check reports it.
-    """
-    import torch
-
-    if byte not in POISON_BYTES:
-        raise ValueError(f"poison byte must be one of {', '.join(hex(b) for b in POISON_BYTES)} (never NaN in any float format), got {byte!r}")
-    widths = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-    with torch.no_grad():
-        for name, t in _named(tensors, include_buffers):
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"{name}: expected a tensor, got {type(t).__name__}")
-            if t.numel() == 0:
-                continue
-            w = t.detach()
-            if w.is_quantized or w.is_sparse or w.device.type == "meta":
-                raise TypeError(f"{name}: cannot poison a {'quantized' if w.is_quantized else 'sparse' if w.is_sparse else 'meta'} tensor in place")
-            if w.is_complex() and w.element_size() == 16:
-                w = torch.view_as_real(w)
-            width = widths.get(w.element_size())
-            if width is None:
-                raise TypeError(f"{name}: dtype {t.dtype} has {w.element_size()} bytes per element, which poison_ cannot fill")
-            if w.dtype != width:
-                w = w.view(width)
-            n = w.element_size()
-            w.fill_(byte if n == 1 else int.from_bytes(bytes([byte]) * n, "little", signed=True))
-
-
-# --------------------------------------------------------------------------- frames
-
-
-def _rank_label(row: Mapping[str, Any]) -> str:
-    """``rank 3 (pp=0 tp=1)``, ``pp=0 tp=1`` or ``rank 3``: the coordinates a row has."""
-    coords = " ".join(f"{c}={int(row[c])}" for c in IDENTITY[1:] if not pd.isna(row[c]))
-    if pd.isna(row["rank"]):
-        return coords or "(no rank coordinates)"
-    return f"rank {int(row['rank'])}" + (f" ({coords})" if coords else "")
-
-
-def _listing(items: list[str]) -> str:
-    more = len(items) - _SHOWN
-    return ", ".join(items[:_SHOWN]) + (f", +{more} more" if more > 0 else "")
 
 
 def _empty_tensor(nbytes: pd.Series, shape: pd.Series) -> pd.Series:
@@ -227,7 +97,7 @@ def _prepare(frames: Mapping[str, pd.DataFrame]) -> dict[str, pd.DataFrame]:
             + ": digest every phase with the same rank fields"
         )
     for phase, df in out.items():
-        _check_unique(df, _KEYS, phase)
+        check_unique_keys(df, _KEYS, phase)
         check_identities(df, phase)
     return out
 
@@ -253,8 +123,7 @@ def _pattern_digests(rows: pd.DataFrame, fill: tuple[int, ...]) -> pd.Series:
     """Per row (``algo``, ``dtype``, ``shape``, ``nbytes``): the digests a parameter fully reset to one of
     ``fill``'s bytes must have, as a tuple; None where they cannot be computed (another algorithm, no
     dtype or shape). Computed once per distinct (algo, dtype, shape, nbytes)."""
-    from wcviz.digest import parse_dtype
-    from wcviz.digest._fill import FILL_ALGORITHMS, fill_digest
+    from wcviz.digest import FILL_ALGORITHMS, fill_digest, parse_dtype
 
     cols = ["algo", "dtype", "shape", "nbytes"]
     if not fill or not len(rows):
@@ -335,7 +204,7 @@ def _raise_if_uncovered(cov: pd.DataFrame) -> None:
         rows = bad[bad["why"] == why]
         if len(rows):
             ranks = len(rows[list(IDENTITY)].drop_duplicates())
-            where = _listing([f"{r['name']} on {_rank_label(r)}" for _, r in rows.iterrows()])
+            where = listing([f"{r['name']} on {rank_label(r)}" for _, r in rows.iterrows()])
             groups.append(f"{len(rows):,} {said} on {ranks} rank{'s' if ranks != 1 else ''}: {where}")
     msg = (
         f"reset fully overwrote only {nonempty - len(bad):,} of {nonempty:,} parameters; the end-state check is void: "
@@ -345,7 +214,7 @@ def _raise_if_uncovered(cov: pd.DataFrame) -> None:
         msg += " (only partly reset: the digest after the reset is not that of the tensor fully overwritten with the reset pattern)"
     empty = cov[cov["empty"]]
     if len(empty):
-        msg += f"; {len(empty):,} empty tensor(s) hold no bytes to reset: " + _listing([f"{r['name']} on {_rank_label(r)}" for _, r in empty.iterrows()])
+        msg += f"; {len(empty):,} empty tensor(s) hold no bytes to reset: " + listing([f"{r['name']} on {rank_label(r)}" for _, r in empty.iterrows()])
     raise ResetNotCovered(msg, cov)
 
 
@@ -384,7 +253,7 @@ def _same_as(out: pd.DataFrame, snap: pd.DataFrame) -> pd.Series:
         same &= ((a == b) | (a.isna() & b.isna())).fillna(False).astype(bool)
     m = m[~same]
     for row_id, group in m.groupby("_row", sort=False):
-        labels = [_rank_label(dict(zip(IDENTITY, r))) for r in group[other].itertuples(index=False)]
+        labels = [rank_label(dict(zip(IDENTITY, r))) for r in group[other].itertuples(index=False)]
         result[row_id] = ", ".join(sorted(set(labels)))
     return result
 
@@ -477,91 +346,4 @@ def classify(
     out["same_as"] = _same_as(out, snap)
     out = _whole_ranks(out, dead, "unreachable")
     out = _whole_ranks(out, hollow, "empty")
-    order = out["status"].map({st: i for i, st in enumerate(ENDSTATE_STATUSES)}).astype(int)
-    out = out.assign(_o=order).sort_values(["_o", *IDENTITY, "name"], na_position="first", kind="stable")
-    return out.drop(columns="_o").reset_index(drop=True)
-
-
-_WHOLE_RANK = {"unreachable": "did not answer", "empty": "answered with no parameters"}
-
-
-def summary(verdicts: pd.DataFrame) -> str:
-    """One line: ranks, parameters, then each status that occurs with the ranks it is on.
-
-    ``end-state check: 4 ranks, 24 parameters: 3 unwritten on 1 rank (rank 1 (pp=0 tp=1)), 21 match``
-    """
-    ids = list(IDENTITY)
-    n_ranks = len(verdicts[ids].drop_duplicates())
-    ghosts = verdicts["name"].isna()  # ranks without rows (dead, empty): no parameter to count
-    parts = []
-    for st in ENDSTATE_STATUSES:
-        rows = verdicts[verdicts["status"] == st]
-        if not len(rows):
-            continue
-        if st == "match":
-            parts.append(f"{len(rows):,} match")
-            continue
-        ranks = rows[ids + ["rank_absent"]].drop_duplicates(ids).sort_values(ids, na_position="first")
-        absent = st not in _WHOLE_RANK
-        labels = [_rank_label(r) + (": rank absent after reload" if absent and r["rank_absent"] else "") for _, r in ranks.iterrows()]
-        n_params = int((~rows["name"].isna()).sum())
-        plural = "s" if len(ranks) != 1 else ""
-        if n_params:
-            parts.append(f"{n_params:,} {st} on {len(ranks)} rank{plural} ({_listing(labels)})")
-        else:  # ranks that never answered, or answered empty: no parameter to count
-            parts.append(f"{len(ranks)} rank{plural} {st} ({_listing(labels)}: {_WHOLE_RANK.get(st, st)})")
-    n_all = int((~ghosts).sum())
-    line = f"end-state check: {n_ranks} rank{'s' if n_ranks != 1 else ''}, {n_all:,} parameters: {', '.join(parts) or 'nothing to check'}"
-    swapped = verdicts[verdicts["same_as"].notna()] if "same_as" in verdicts else verdicts.iloc[:0]
-    if len(swapped):
-        pairs = sorted({f"{_rank_label(r)} holds {r['same_as']}'s" for _, r in swapped.iterrows()})
-        line += f"; {len(swapped):,} corrupted parameters hold another rank's snapshot ({_listing(pairs)})"
-    if (verdicts["status"] == "unproven").any():
-        line += "; unproven: the reset did not prove the update rewrote them"
-    bare = int(((verdicts["status"] == "match") & ~verdicts["reset_covered"]).sum())
-    if bare:
-        line += f"; {bare:,} not covered by the reset (tensors without bytes: they match by dtype and shape only)"
-    return line
-
-
-# --------------------------------------------------------------------------- orchestration
-
-
-def _reload_or_raise(reload_fn: Callable[[], object], after: str) -> None:
-    try:
-        reload_fn()
-    except Exception as e:
-        raise EngineLeftPoisoned(
-            f"reload failed {after}: {type(e).__name__}: {e}; the engine is left poisoned "
-            "(it serves the reset pattern, not weights): rerun the weight update before serving"
-        ) from e
-
-
-def run_check(
-    snapshot_fn: Callable[[], object],
-    reset_fn: Callable[[], object],
-    reload_fn: Callable[[], object],
-    digest_fn: Callable[[str], pd.DataFrame],
-    *,
-    allow_partial_reset: bool = False,
-    reset_pattern: str | int = "poison",
-) -> pd.DataFrame:
-    """Run the end-state check over callables and return :func:`classify`'s verdicts.
-
-    ``digest_fn(phase)`` returns the digest frame of every rank for that phase.
-    Order: snapshot, digest; reset, digest; reload, digest; classify. The reload runs
-    even if the reset was incomplete or failed, so the engine is restored before any
-    error is raised; a failed reload raises :class:`EngineLeftPoisoned` and is never
-    reported as a result.
-    """
-    snapshot_fn()
-    snap = digest_fn("snapshot")
-    try:
-        reset_fn()
-        reset = digest_fn("reset")
-    except Exception as e:
-        _reload_or_raise(reload_fn, f"while restoring after the reset failed ({type(e).__name__}: {e})")
-        raise
-    _reload_or_raise(reload_fn, "after the reset")
-    reload = digest_fn("reload")
-    return classify(snap, reset, reload, allow_partial_reset=allow_partial_reset, reset_pattern=reset_pattern)
+    return worst_first(out, ENDSTATE_STATUSES)

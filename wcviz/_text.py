@@ -1,0 +1,78 @@
+"""The few ways wcviz puts things into words: counts, lists, rank labels, an exception in one line.
+
+One owner for each, so a rank reads the same in a summary, an error and a view.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+__all__ = ["SHOWN", "listing", "one_line", "plural", "rank_label"]
+
+SHOWN = 8  # items a list names before "+N more"
+
+_COORDS = ("dp", "pp", "tp", "ep")
+_PREFIX = {"rank": "r", "dp": "dp", "pp": "pp", "tp": "tp", "ep": "ep"}
+
+
+def plural(n: int, word: str) -> str:
+    """``1 rank``, ``2 ranks``, ``1,500 parameters``."""
+    return f"{n:,} {word}{'s' if n != 1 else ''}"
+
+
+def listing(items: Sequence[str], shown: int = SHOWN) -> str:
+    """``a, b, c`` with at most ``shown`` items, then ``+N more``."""
+    more = len(items) - shown
+    return ", ".join(items[:shown]) + (f", +{more} more" if more > 0 else "")
+
+
+def one_line(exc: BaseException) -> str:
+    """``TypeName: message`` (or the type alone), for reports that show an exception in a line."""
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _int(v: Any) -> int | None:
+    if v is None:
+        return None
+    import pandas as pd  # here, not at the top: importing this module stays cheap
+
+    return None if pd.isna(v) else int(v)
+
+
+def rank_label(row: Mapping[str, Any], style: str = "rank") -> str:
+    """How a rank is named, from whatever identity ``row`` holds (``rank``, ``dp``, ``pp``, ``tp``, ``ep``, ``role``, ``url``).
+
+    ``style``:
+
+    - ``rank``: ``rank 3 (pp=0 tp=1)`` (coordinates alone without a rank; verdicts, summaries);
+    - ``role``: ``engine 3 (pp=0 tp=1)`` (the URL without a rank; problems of a check);
+    - ``role rank``: ``engine rank 3 (pp=0 tp=1)`` (a process of the simulated cluster);
+    - ``compact``: ``r3 pp0 tp1`` (grid columns);
+    - ``coords``: ``(rank=3 pp=0 tp=1)`` (error messages about table rows).
+    """
+    rank = _int(row.get("rank"))
+    coords = {c: _int(row.get(c)) for c in _COORDS}
+    shown = " ".join(f"{c}={v}" for c, v in coords.items() if v is not None)
+    if style == "compact":
+        pieces = [f"{_PREFIX[c]}{v}" for c, v in (("rank", rank), *coords.items()) if v is not None]
+        return " ".join(pieces) or "(no rank)"
+    if style == "coords":
+        everything = " ".join(f"{c}={v}" for c, v in (("rank", rank), *coords.items()) if v is not None)
+        return f"({everything or 'no coordinates'})"
+    role = row.get("role")
+    role = role if isinstance(role, str) and role else None
+    if style == "rank":
+        if rank is None:
+            return shown or "(no rank coordinates)"
+        who = f"rank {rank}"
+    elif style == "role":
+        if rank is None:
+            return str(row.get("url"))
+        who = f"{role or 'rank'} {rank}"
+    elif style == "role rank":
+        who = f"{role} rank {rank}" if role else f"rank {rank}"
+    else:
+        raise ValueError(f"unknown rank label style {style!r}; choose rank, role, role rank, compact or coords")
+    return who + (f" ({shown})" if shown else "")

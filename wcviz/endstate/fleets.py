@@ -1,0 +1,327 @@
+"""The kinds of fleet the end-state session runs over, and the one-call checks built on them.
+
+Each fleet implements :class:`wcviz.endstate.Fleet` - ``targets``, ``identity``,
+``digests(phase)``, ``act(action)``, ``reset_pattern`` - and nothing else:
+
+- :class:`AgentFleet`: :class:`wcviz.agent.Agent` ranks over HTTP (``check_agents``,
+  ``wcviz endstate``, the dashboard); the simulated cluster's fleet extends it
+  (:mod:`wcviz.sim`);
+- :class:`CallableFleet`: in-process callables acting on every rank at once (``run_check``);
+- :class:`SglangFleet`: SGLang's own weight checker (``sglang_endstate``), whose reset
+  writes random values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import pandas as pd
+
+from wcviz.endstate.session import EndStateReport, EndStateSession, run
+from wcviz.frame import IDENTITY
+from wcviz.sources import ActionResult, FetchResult, Targets, act, fetch, fetch_infos, normalize_targets
+
+__all__ = [
+    "AgentFleet",
+    "CallableFleet",
+    "SglangEndstate",
+    "SglangFleet",
+    "check_agents",
+    "run_check",
+    "sglang_endstate",
+]
+
+_IDENTITY_FIELDS = ("role", *IDENTITY, "host")
+
+
+def _known(row: Mapping[str, Any]) -> dict[str, Any]:
+    """The identity fields of ``row`` that hold a value (NA never overwrites what is known)."""
+    return {k: row[k] for k in _IDENTITY_FIELDS if k in row and row[k] is not None and not pd.isna(row[k])}
+
+
+def _no_failures() -> pd.DataFrame:
+    from wcviz.sources import FAILED_COLUMNS
+
+    return pd.DataFrame({c: pd.Series(dtype="Int64" if c in IDENTITY else "string") for c in FAILED_COLUMNS})
+
+
+def _acknowledged(action: str, targets: tuple[str, ...]) -> ActionResult:
+    return ActionResult(action, targets, answers={t: {} for t in targets})
+
+
+class AgentFleet:
+    """:class:`wcviz.agent.Agent` ranks at ``urls``: digests by ``GET``, actions by ``POST`` with the bearer ``token``.
+
+    ``urls`` may map each URL to the identity expected there; once a rank has answered,
+    the identity it claimed is what the rank at that URL must go on claiming (and a rank
+    that dies later is reported under it). ``reload``: a callable that runs the weight
+    update instead of each agent's ``POST /v1/reload`` (a refit from the trainer); if it
+    returns an :class:`wcviz.sources.ActionResult`, that says which ranks it reloaded.
+    """
+
+    def __init__(
+        self,
+        urls: Targets,
+        *,
+        token: str | None,
+        reload: Callable[[], object] | None = None,
+        reset_pattern: str | int = "poison",
+        timeout_s: float = 60.0,
+        retries: int = 2,
+        client: Any = None,
+        transport: Any = None,
+    ) -> None:
+        targets, expected = normalize_targets(urls)
+        if not targets:
+            raise ValueError("the end-state check needs at least one agent URL")
+        self._targets = targets
+        self.token = token
+        self.reload_fn = reload
+        self.reset_pattern = reset_pattern
+        self.retries = retries
+        self.net: dict[str, Any] = {"client": client, "transport": transport, "timeout_s": timeout_s}
+        self.known: dict[str, dict[str, Any]] = {u: dict(e) for u, e in zip(targets, expected)}
+
+    @property
+    def targets(self) -> tuple[str, ...]:
+        return self._targets
+
+    def identity(self, target: str) -> Mapping[str, Any]:
+        return self.known.get(target, {})
+
+    def expected(self) -> dict[str, dict[str, Any]]:
+        """Every URL with the identity known for it (what a fetch checks each rank against)."""
+        return {u: {k: v for k, v in self.known.get(u, {}).items() if k != "host"} for u in self._targets}
+
+    def digests(self, phase: str) -> FetchResult:
+        res = fetch(self.expected(), retries=self.retries, **self.net)
+        for u, info in res.infos.items():
+            self.known.setdefault(u, {}).update(_known(info))
+        for r in res.failed.to_dict(orient="records"):
+            self.known.setdefault(str(r["url"]), {}).update(_known(r))
+        return res
+
+    def act(self, action: str) -> ActionResult:
+        if action == "reload" and self.reload_fn is not None:
+            done = self.reload_fn()
+            return done if isinstance(done, ActionResult) else _acknowledged(action, self._targets)
+        return act(self.expected(), action, token=self.token, **self.net)
+
+    def info(self) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
+        """Each agent's ``/v1/info`` now (what it allows), or why there is none; no event loop needed."""
+        infos, errors = fetch_infos(self._targets, timeout_s=min(float(self.net["timeout_s"]), 10.0))
+        for url, info in infos.items():
+            self.known.setdefault(url, {}).update(_known(info))
+        return infos, errors
+
+
+    def mutation_block(self, infos: Mapping[str, Mapping[str, Any]], errors: Mapping[str, str]) -> str | None:
+        """Why snapshot, reset and reload cannot be sent (given :meth:`info`'s answers), or None when they can."""
+        if not self.token:
+            return "no token given: Dashboard(urls, token=...) with the agents' bearer token"
+        silent = [u for u in self._targets if u not in infos]
+        if silent:
+            why = "; ".join(f"{u} ({errors.get(u, 'no answer')})" for u in silent)
+            return f"mutations are off: /v1/info did not answer on {why}"
+        off = [u for u in self._targets if infos[u].get("mutations_allowed") is not True]
+        if off:
+            return f"mutations are off on {', '.join(off)} (start its agent with allow_mutations=True)"
+        return None
+
+
+def check_agents(
+    urls: Targets,
+    *,
+    token: str | None,
+    reload: Callable[[], object] | None = None,
+    before_reload: Callable[[], object] | None = None,
+    allow_partial_reset: bool = False,
+    reset_pattern: str | int = "poison",
+    timeout_s: float = 60.0,
+    retries: int = 2,
+    progress: bool = False,
+    client: Any = None,
+    transport: Any = None,
+) -> EndStateReport:
+    """Run the end-state check on the agents at ``urls`` and return an :class:`wcviz.endstate.EndStateReport`.
+
+    DESTRUCTIVE: the reset poisons every parameter of every rank. ``urls`` may map each
+    URL to the identity expected there, so a rank that never answers is still reported
+    under its coordinates. ``reload``: a callable that runs the weight update again (a
+    refit from the trainer); by default each agent's ``POST /v1/reload``. A failing
+    ``reload`` is recorded against every rank (all are left poisoned) unless it returns
+    an :class:`wcviz.sources.ActionResult` naming the ranks it could not reload; the
+    digests are still fetched, so the report shows the state. ``before_reload`` runs
+    between the reset and the reload (e.g. to inject a loader fault that strikes only
+    the update under test). ``reset_pattern``: what the agents' reset writes (wcviz's
+    ``poison`` by default), by which coverage is proven. Once the reset has started the
+    reload runs whatever happens, and every way out names the ranks left poisoned first.
+    """
+    fleet = AgentFleet(
+        urls, token=token, reload=reload, reset_pattern=reset_pattern, timeout_s=timeout_s, retries=retries,
+        client=client, transport=transport,
+    )  # fmt: skip
+    return run(EndStateSession(fleet), before_reload=before_reload, allow_partial_reset=allow_partial_reset, progress=progress)
+
+
+class CallableFleet:
+    """Every rank acted on at once by callables, digested by one: the whole fleet is one target, ``every rank``.
+
+    ``digest_fn(phase)`` returns the digest frame of every rank for that phase. An action
+    that raises failed for the whole fleet.
+    """
+
+    TARGET = "every rank"
+
+    def __init__(
+        self,
+        snapshot: Callable[[], object],
+        reset: Callable[[], object],
+        reload: Callable[[], object],
+        digests: Callable[[str], pd.DataFrame],
+        *,
+        reset_pattern: str | int = "poison",
+    ) -> None:
+        self.actions = {"snapshot": snapshot, "reset": reset, "reload": reload}
+        self.digest_fn = digests
+        self.reset_pattern = reset_pattern
+
+    @property
+    def targets(self) -> tuple[str, ...]:
+        return (self.TARGET,)
+
+    def identity(self, target: str) -> Mapping[str, Any]:
+        return {}
+
+    def digests(self, phase: str) -> FetchResult:
+        from wcviz.frame import make_frame, validate
+
+        frame = self.digest_fn(phase)
+        frame = validate(frame, phase) if len(frame) else make_frame([])
+        return FetchResult(self.targets, frame.assign(url=self.TARGET), _no_failures())
+
+    def act(self, action: str) -> ActionResult:
+        self.actions[action]()
+        return _acknowledged(action, self.targets)
+
+
+def run_check(
+    snapshot_fn: Callable[[], object],
+    reset_fn: Callable[[], object],
+    reload_fn: Callable[[], object],
+    digest_fn: Callable[[str], pd.DataFrame],
+    *,
+    allow_partial_reset: bool = False,
+    reset_pattern: str | int = "poison",
+) -> pd.DataFrame:
+    """Run the end-state check over callables and return :func:`wcviz.endstate.classify`'s verdicts.
+
+    ``digest_fn(phase)`` returns the digest frame of every rank for that phase. Order:
+    snapshot, digest; reset, digest; reload, digest; classify. The reload runs even if
+    the reset failed, so the engine is restored before any error is raised; a failed
+    reload raises :class:`wcviz.endstate.EngineLeftPoisoned` and is never reported as a result.
+    """
+    fleet = CallableFleet(snapshot_fn, reset_fn, reload_fn, digest_fn, reset_pattern=reset_pattern)
+    report = run(EndStateSession(fleet), allow_partial_reset=allow_partial_reset, raise_if_poisoned=True)
+    return report.verdicts
+
+
+class SglangFleet:
+    """SGLang's own weight checker (``POST /weights_checker``) at ``base_url``, and the caller's ``reload``.
+
+    SGLang's ``reset_tensors`` writes random values (``reset_pattern`` ``unknown``), so a
+    parameter that reloads equal to its snapshot is ``unproven``. The targets are its
+    ranks once they have answered (a request acts on all of them at once); a rank that
+    answered an earlier phase and is absent from a later one did not answer it.
+    """
+
+    reset_pattern = "unknown"
+
+    def __init__(self, base_url: str, reload: Callable[[], object], **options: Any) -> None:
+        if not callable(reload):
+            raise TypeError(f"reload must be a callable that runs the weight update, got {type(reload).__name__}")
+        self.base = str(base_url).rstrip("/")
+        self.reload_fn = reload
+        self.options = options
+        self.known: dict[str, dict[str, Any]] = {}
+
+    @property
+    def targets(self) -> tuple[str, ...]:
+        return tuple(self.known) or (self.base,)
+
+    def identity(self, target: str) -> Mapping[str, Any]:
+        return self.known.get(target, {})
+
+    def digests(self, phase: str) -> FetchResult:
+        from wcviz.sources import EngineEndpointError, from_sglang
+
+        res = from_sglang(self.base, phase=phase, **self.options)
+        if phase == "snapshot" and not len(res.frame):
+            raise EngineEndpointError(f"no rank gave snapshot checksums, nothing was changed: {res.summary}")
+        gone = [
+            {"url": label, "kind": "unreachable", "error": f"gave no checksums in phase {phase} (it did before)", **ident}
+            for label, ident in self.known.items() if label not in res.urls
+        ]  # fmt: skip
+        for r in res.frame.drop_duplicates("url").to_dict(orient="records"):
+            self.known[str(r["url"])] = _known(r)
+        for r in res.failed.to_dict(orient="records"):
+            self.known.setdefault(str(r["url"]), {}).update(_known(r))
+        return res.with_failed(gone)
+
+    def act(self, action: str) -> ActionResult:
+        from wcviz.sources import EngineEndpointError, sglang_action
+
+        if action == "reload":
+            self.reload_fn()
+            return _acknowledged(action, self.targets)
+        res = sglang_action(self.base, "reset_tensors" if action == "reset" else action, **self.options)
+        if action == "snapshot" and not res.answers:
+            raise EngineEndpointError(f"snapshot failed on every rank, nothing was changed: {res.summary}")
+        if action == "reset" and res.errors:
+            raise EngineEndpointError(f"reset_tensors did not complete, the check is void: {res.summary}")
+        return res
+
+
+@dataclass
+class SglangEndstate(EndStateReport):
+    """:func:`sglang_endstate`'s report: an :class:`wcviz.endstate.EndStateReport` and SGLang's own ``compare``."""
+
+    compare: ActionResult | None = None
+
+    @property
+    def summary(self) -> Any:
+        line = super().summary
+        if self.compare is not None:
+            line = type(line)(f"{line}\n  SGLang's compare: {self.compare.summary}")
+        return line
+
+
+def sglang_endstate(
+    base_url: str,
+    reload: Callable[[], object],
+    *,
+    client: Any = None,
+    transport: Any = None,
+    timeout_s: float = 120.0,
+    allow_partial_reset: bool = False,
+    compare: bool = True,
+) -> SglangEndstate:
+    """The end-state check on a running SGLang through its own weight checker (:class:`SglangFleet`).
+
+    snapshot, checksum (phase ``snapshot``); reset_tensors, checksum (``reset``);
+    ``reload()`` - the caller's weight update, e.g. the trainer sending its weights
+    again - then checksum (``reload``); and, if ``compare``, SGLang's own ``compare``,
+    reported beside the verdicts. A rank that failed, or went missing, in a phase is
+    ``unreachable``. The reload runs even when the reset failed, so the engine is
+    restored before the error is raised; a failed reload raises
+    :class:`wcviz.endstate.EngineLeftPoisoned`.
+    """
+    from wcviz.sources import sglang_action
+
+    options: dict[str, Any] = {"client": client, "transport": transport, "timeout_s": timeout_s}
+    fleet = SglangFleet(base_url, reload, **options)
+    report = run(EndStateSession(fleet), allow_partial_reset=allow_partial_reset, raise_if_poisoned=True)
+    compared = sglang_action(base_url, "compare", **options) if compare else None
+    return SglangEndstate(**{f: getattr(report, f) for f in EndStateReport.__dataclass_fields__}, compare=compared)

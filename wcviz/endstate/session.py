@@ -1,0 +1,372 @@
+"""The end-state check, phase by phase, over any fleet of ranks: one session, one report.
+
+:class:`EndStateSession` runs snapshot -> reset -> reload over a :class:`Fleet` - the
+small protocol every kind of fleet implements (HTTP agents, in-process callables, the
+simulated cluster, SGLang's own checker; :mod:`wcviz.endstate.fleets`) - and
+:meth:`EndStateSession.report` classifies what it collected
+(:func:`wcviz.endstate.classify`). :func:`run` is the whole check in order, and it
+keeps the check honest when ranks misbehave:
+
+- a rank that does not answer in some phase is ``unreachable`` in the verdicts (never
+  silently dropped, never counted as a pass); one that answers with no parameters is
+  ``empty``;
+- a reset that leaves a parameter of an answering rank anything but fully reset voids
+  the check (:class:`wcviz.endstate.ResetNotCovered`), raised only after the reload;
+- once the reset has started the reload runs whatever happens (a reset or a
+  ``before_reload`` hook that raises, Ctrl-C), and every way out names the ranks left
+  poisoned first (:class:`EngineLeftPoisoned`, or a :class:`ResetNotCovered` whose
+  message starts with them).
+
+Observers (a dashboard's progress bar) pass ``on_step(phase, step)``: it is called
+after each action and each fetch of digests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import pandas as pd
+
+from wcviz._errors import WcvizError
+from wcviz._text import rank_label
+from wcviz.endstate.classify import PHASES, ResetNotCovered, classify
+from wcviz.frame import IDENTITY
+from wcviz.sources import ActionResult, FetchResult
+from wcviz.verdicts import summary as verdict_summary
+
+__all__ = ["PROBLEM_COLUMNS", "EndStateReport", "EndStateSession", "EngineLeftPoisoned", "Fleet", "Summary", "run"]
+
+PROBLEM_COLUMNS = ("phase", "step", "url", "kind", "error", "role", *IDENTITY)
+
+
+class EngineLeftPoisoned(WcvizError, RuntimeError):
+    """The reload (or restoring after a failed reset) failed: the engine still holds poison.
+
+    ``poisoned`` names the ranks left poisoned, when they are known.
+    """
+
+    def __init__(self, message: str, poisoned: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.poisoned = poisoned
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (str(self), self.poisoned))
+
+
+@runtime_checkable
+class Fleet(Protocol):
+    """What the end-state session needs of a fleet of ranks.
+
+    ``targets``: one label per rank (an agent's URL), or one for a fleet acted on as a
+    whole. ``identity(target)``: what is known of the rank there (role, rank, dp, pp,
+    tp, ep). ``digests(phase)``: every rank's digests now, as a
+    :class:`wcviz.sources.FetchResult` (a rank that does not answer is in its
+    ``failed``). ``act(action)``: ``snapshot``, ``reset`` or ``reload`` on every rank,
+    as a :class:`wcviz.sources.ActionResult`; raising means the whole fleet failed.
+    ``reset_pattern``: what the reset writes (:data:`wcviz.endstate.RESET_PATTERNS`).
+    """
+
+    reset_pattern: str | int
+
+    @property
+    def targets(self) -> tuple[str, ...]: ...
+
+    def identity(self, target: str) -> Mapping[str, Any]: ...
+
+    def digests(self, phase: str) -> FetchResult: ...
+
+    def act(self, action: str) -> ActionResult: ...
+
+
+class Summary(str):
+    """A summary line: read it as a property (``report.summary``); calling it, as before, still works."""
+
+    def __call__(self) -> str:
+        return str(self)
+
+
+def _poisoned(problems: pd.DataFrame) -> pd.DataFrame:
+    """Ranks a failed reload left holding the reset pattern (their reset may have run)."""
+    if "poisoned" in problems:
+        return problems[problems["poisoned"]].reset_index(drop=True)
+    return problems[(problems["phase"] == "reload") & (problems["step"] == "reload")].reset_index(drop=True)
+
+
+def _labels(poisoned: pd.DataFrame) -> tuple[str, ...]:
+    return tuple(dict.fromkeys(rank_label(r, "role") for r in poisoned.to_dict(orient="records")))
+
+
+def _poisoned_line(poisoned: pd.DataFrame) -> str:
+    return f"RELOAD FAILED on {', '.join(_labels(poisoned))}: still poisoned (serving the reset pattern); rerun the weight update"
+
+
+@dataclass
+class EndStateReport:
+    """What one end-state check found.
+
+    ``verdicts``: :func:`wcviz.endstate.classify`'s frame (``unreachable`` and ``empty``
+    rows for ranks that did not answer, or answered with nothing). ``frames``: the
+    digest frame of each phase; ``fetches``: each phase's
+    :class:`wcviz.sources.FetchResult`. ``problems``: one row per (phase, step, rank)
+    that failed (:data:`PROBLEM_COLUMNS` and ``poisoned``; ``step`` is
+    ``snapshot``/``reset``/``reload`` for the action, ``digests`` for the fetch).
+    ``transport``: the refit's transport check, when the reload was a refit. ``notes``:
+    what the driver had to do differently (a dead rank made the reload a checkpoint
+    load, say).
+    """
+
+    verdicts: pd.DataFrame
+    frames: dict[str, pd.DataFrame]
+    problems: pd.DataFrame
+    transport: Any = None
+    answered: dict[str, int] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    fetches: dict[str, FetchResult] = field(default_factory=dict)
+
+    @property
+    def poisoned(self) -> pd.DataFrame:
+        """The problems of ranks whose reload failed after a reset that may have run: they hold the reset pattern."""
+        return _poisoned(self.problems)
+
+    @property
+    def unreachable(self) -> pd.DataFrame:
+        """The rank identities (:data:`wcviz.frame.IDENTITY`) that did not answer in some phase."""
+        rows = self.verdicts[self.verdicts["status"] == "unreachable"]
+        return rows[list(IDENTITY)].drop_duplicates().reset_index(drop=True)
+
+    @property
+    def ok(self) -> bool:
+        """True only if every rank answered every phase and every parameter is a proven match."""
+        return not len(self.problems) and bool(len(self.verdicts)) and bool((self.verdicts["status"] == "match").all())
+
+    @property
+    def summary(self) -> Summary:
+        """Lines a person reads first: poisoned ranks, then the verdicts, then every problem and note."""
+        lines = []
+        if len(self.poisoned):
+            lines.append(_poisoned_line(self.poisoned))
+        lines.append(verdict_summary(self.verdicts))
+        for r in self.problems.to_dict(orient="records"):
+            lines.append(f"  {r['phase']}/{r['step']}: {rank_label(r, 'role')} {r['kind']}: {r['error']}")
+        lines += [f"  note: {n}" for n in self.notes]
+        return Summary("\n".join(lines))
+
+    def details(self, limit: int = 20) -> str:
+        """The rows that are not ``match``, worst first: rank, coordinates, status, name (and whose weights a swap holds)."""
+        bad = self.verdicts[self.verdicts["status"] != "match"]
+        if not len(bad):
+            return "every parameter matches"
+        lines = []
+        for r in bad.head(limit).to_dict(orient="records"):
+            where = rank_label(r)
+            name = r["name"] if not pd.isna(r["name"]) else "(no parameter answered)"
+            held = f"  <- holds {r['same_as']}'s" if "same_as" in r and not pd.isna(r["same_as"]) else ""
+            lines.append(f"  {r['status']:<11} {where:<28} {name}{held}")
+        if len(bad) > limit:
+            lines.append(f"  ... {len(bad) - limit} more (see the verdicts frame)")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return str(self.summary)
+
+
+class EndStateSession:
+    """The end-state check one phase at a time (what a dashboard's buttons drive); see the module docstring.
+
+    ``fleet``: a :class:`Fleet`. For compatibility, agent URLs (with ``token``,
+    ``reload`` and the network options of :class:`wcviz.endstate.AgentFleet`) still
+    make an agent fleet. The reset is DESTRUCTIVE.
+    """
+
+    def __init__(self, fleet: Fleet | Any, *, on_step: Callable[[str, str], None] | None = None, **agent_options: Any) -> None:
+        if not isinstance(fleet, Fleet):
+            from wcviz.endstate.fleets import AgentFleet
+
+            fleet = AgentFleet(fleet, **agent_options)
+        elif agent_options:
+            raise TypeError(f"options {', '.join(agent_options)} are for agent URLs, not for a fleet")
+        if not fleet.targets:
+            raise ValueError("the end-state check needs at least one rank to check")
+        self.fleet = fleet
+        self.on_step = on_step
+        self.problems: list[dict[str, Any]] = []
+        self.frames: dict[str, pd.DataFrame] = {}
+        self.fetches: dict[str, FetchResult] = {}
+        self.answered: dict[str, int] = {}
+        self.unpoisoned: set[str] = set()  # targets whose reset certainly did not run: a failed reload leaves them as they were
+
+    @property
+    def targets(self) -> tuple[str, ...]:
+        """The fleet's targets, one per rank (or one for a fleet acted on as a whole)."""
+        return tuple(self.fleet.targets)
+
+    def _step(self, phase: str, step: str) -> None:
+        if self.on_step is not None:
+            self.on_step(phase, step)
+
+    def _problem(self, phase: str, step: str, target: str, kind: str, error: str) -> None:
+        ident = {k: v for k, v in self.fleet.identity(target).items() if k in ("role", *IDENTITY)}
+        self.problems.append({"phase": phase, "step": step, "url": target, "kind": kind, "error": error, **ident})
+
+    def _act(self, phase: str) -> None:
+        try:
+            res = self.fleet.act(phase)
+        except Exception as e:  # noqa: BLE001 - recorded against every rank; the digests show the damage
+            if phase != "reload":
+                raise  # a snapshot or reset that failed as a whole: nothing to record per rank, the caller decides
+            from wcviz._text import one_line
+
+            for t in self.targets:
+                self._problem(phase, "reload", t, "failed", f"the reload failed: {one_line(e)}")
+            return
+        finally:
+            self._step(phase, phase)
+        for t, err in res.errors.items():
+            kind = "refused" if t in res.not_run and t not in res.unreachable else "unreachable" if t in res.unreachable else "failed"
+            if phase == "reset" and t in res.not_run:
+                self.unpoisoned.add(t)
+            self._problem(phase, phase, t, kind, err)
+
+    def _digests(self, phase: str) -> pd.DataFrame:
+        res = self.fleet.digests(phase)
+        for r in res.failed.to_dict(orient="records"):
+            self._problem(phase, "digests", str(r["url"]), str(r["kind"]), str(r["error"]))
+        self.fetches[phase] = res
+        self.frames[phase] = res.frame.assign(phase=phase)
+        self.answered[phase] = res.answered
+        self._step(phase, "digests")
+        return self.frames[phase]
+
+    def _phase(self, phase: str) -> pd.DataFrame:
+        self.problems = [p for p in self.problems if p["phase"] != phase]  # a phase run again replaces its record
+        if phase == "reset":
+            self.unpoisoned = set()
+        self._act(phase)
+        return self._digests(phase)
+
+    def snapshot(self) -> pd.DataFrame:
+        """Every rank records, and we fetch, its digests (phase ``snapshot``); starts a new check."""
+        self.problems, self.frames, self.fetches, self.answered, self.unpoisoned = [], {}, {}, {}, set()
+        return self._phase("snapshot")
+
+    def reset(self) -> pd.DataFrame:
+        """DESTRUCTIVE: every rank overwrites every parameter with the reset pattern; the digests after it."""
+        if "snapshot" not in self.frames:
+            raise RuntimeError("reset before snapshot: take the snapshot first, or nothing can be compared")
+        return self._phase("reset")
+
+    def reload(self) -> pd.DataFrame:
+        """Run the weight update again on every rank; the digests after it (phase ``reload``)."""
+        return self._phase("reload")
+
+    @property
+    def problem_table(self) -> pd.DataFrame:
+        """:data:`PROBLEM_COLUMNS`, one row per (phase, step, rank) that failed; ``poisoned`` says whether the rank
+        may hold the reset pattern after a failed reload (False where its reset certainly did not run)."""
+        table = pd.DataFrame(self.problems, columns=list(PROBLEM_COLUMNS))
+        for c in PROBLEM_COLUMNS:
+            table[c] = table[c].astype("Int64" if c in IDENTITY else "string")
+        reload_failed = (table["phase"] == "reload") & (table["step"] == "reload")
+        table["poisoned"] = (reload_failed & ~table["url"].isin(self.unpoisoned)).astype(bool)
+        return table
+
+    @property
+    def poisoned(self) -> pd.DataFrame:
+        """The problems of ranks whose reload failed so far after a reset that may have run."""
+        return _poisoned(self.problem_table)
+
+    @staticmethod
+    def _silent(table: pd.DataFrame) -> pd.DataFrame:
+        """Ranks that did not answer some phase: a failed fetch of digests, or an action with no answer."""
+        return table[((table["step"] == "digests") | (table["kind"] == "unreachable")) & (table["kind"] != "empty")]
+
+    def report(self, *, allow_partial_reset: bool = False, reset_pattern: str | int | None = None) -> EndStateReport:
+        """Classify the three phases; ``reset_pattern`` defaults to the fleet's.
+
+        Raises :class:`wcviz.endstate.ResetNotCovered` if the reset fell short; when a
+        reload failed too, the message starts with the ranks left poisoned.
+        """
+        missing = [p for p in PHASES if p not in self.frames]
+        if missing:
+            raise RuntimeError(f"the end-state check has not run {', '.join(missing)} yet (order: snapshot, reset, reload)")
+        table = self.problem_table
+        pattern = self.fleet.reset_pattern if reset_pattern is None else reset_pattern
+        try:
+            verdicts = classify(
+                self.frames["snapshot"], self.frames["reset"], self.frames["reload"],
+                allow_partial_reset=allow_partial_reset, reset_pattern=pattern,
+                unreachable=self._silent(table), empty=table[table["kind"] == "empty"],
+            )  # fmt: skip
+        except ResetNotCovered as e:
+            poisoned = _poisoned(table)
+            if not len(poisoned):
+                raise
+            raise ResetNotCovered(f"{_poisoned_line(poisoned)}. Also: {e}", e.coverage, _labels(poisoned)) from e
+        return EndStateReport(
+            verdicts=verdicts, frames=dict(self.frames), problems=table, answered=dict(self.answered),
+            fetches=dict(self.fetches),
+        )  # fmt: skip
+
+
+def run(
+    session: EndStateSession,
+    *,
+    before_reload: Callable[[], object] | None = None,
+    allow_partial_reset: bool = False,
+    reset_pattern: str | int | None = None,
+    progress: bool = False,
+    raise_if_poisoned: bool = False,
+) -> EndStateReport:
+    """The whole check in order: snapshot, reset, ``before_reload()``, reload, report (see the module docstring).
+
+    Once the reset has started, the reload runs whatever happens: the error is raised
+    after it, and if ranks are left poisoned it is an :class:`EngineLeftPoisoned` that
+    names them first. A reload that failed on some ranks is in the report (its summary
+    says so first), or, with ``raise_if_poisoned``, an :class:`EngineLeftPoisoned`.
+    """
+    from tqdm.auto import tqdm
+
+    with tqdm(total=len(PHASES), desc="end-state check", disable=not progress, leave=False) as bar:
+        session.snapshot()
+        bar.update()
+        try:
+            session.reset()
+            bar.update()
+            if before_reload is not None:
+                before_reload()
+        except BaseException as e:
+            _restore(session, e)
+            raise
+        try:
+            session.reload()
+        except BaseException as e:
+            raise EngineLeftPoisoned(
+                f"RELOAD FAILED on every rank ({type(e).__name__}: {e}): still poisoned (serving the reset pattern); "
+                "rerun the weight update"
+            ) from e
+        bar.update()
+    poisoned = session.poisoned
+    if raise_if_poisoned and len(poisoned):
+        errors = "; ".join(dict.fromkeys(str(e) for e in poisoned["error"]))
+        raise EngineLeftPoisoned(f"{_poisoned_line(poisoned)} ({errors})", _labels(poisoned))
+    return session.report(allow_partial_reset=allow_partial_reset, reset_pattern=reset_pattern)
+
+
+def _restore(session: EndStateSession, error: BaseException) -> None:
+    """Reload after ``error`` broke the check between reset and reload; raise naming the ranks left poisoned."""
+    why = f"{type(error).__name__}: {error}"
+    try:
+        session.reload()
+    except BaseException as e:
+        raise EngineLeftPoisoned(
+            f"RELOAD FAILED on every rank ({type(e).__name__}: {e}): still poisoned (serving the reset pattern); rerun "
+            f"the weight update. The check stopped before its reload because {why}"
+        ) from error
+    poisoned = session.poisoned
+    if len(poisoned):
+        raise EngineLeftPoisoned(
+            f"{_poisoned_line(poisoned)}. The check stopped before its reload because {why}; the other ranks were reloaded",
+            _labels(poisoned),
+        ) from error

@@ -1,0 +1,422 @@
+"""What every source that asks many ranks shares: targets, identity, rows, and the one result type.
+
+A source over a fleet of ranks (HTTP agents, vLLM workers, SGLang schedulers, Ray
+actors) says only how to ask its engine; this module says what an answer must be:
+
+- **targets**: URLs (or labels) to ask, each with the identity the caller expects there;
+- **identity**: what a rank claims (``role``, ``rank``, ``dp``, ``pp``, ``tp``, ``ep``,
+  ``host``), checked the same way everywhere (integers, never booleans) and against
+  what was expected;
+- **rows**: a rank's answer as a schema-valid frame that carries exactly its identity;
+- **the result**: :class:`FetchResult` (one frame of every rank that answered, one
+  ``failed`` frame for every rank that did not, or answered nothing) and
+  :class:`ActionResult` for a mutation sent to every rank.
+
+Kinds of failure, in ``FetchResult.failed``: ``unreachable`` (no answer), ``failed`` (an
+error answer, a table that does not hold up, a claim another rank also makes) and
+``empty`` (it answered, holding no parameters: released or offloaded weights).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import pandas as pd
+
+from wcviz._errors import TableError
+from wcviz.frame import IDENTITY, make_frame, validate
+
+if TYPE_CHECKING:
+    import httpx
+
+__all__ = [
+    "FAILED_COLUMNS",
+    "KEY",
+    "ActionResult",
+    "Empty",
+    "Failed",
+    "FetchResult",
+    "NotDelivered",
+    "NotRun",
+    "Refused",
+    "Targets",
+    "Unreachable",
+    "assemble",
+    "check_expected",
+    "checked_url",
+    "empty_reason",
+    "identity_of",
+    "key_of",
+    "message_of",
+    "normalize",
+    "rows_frame",
+]
+
+FAILED_COLUMNS = ("url", "kind", "error", "role", *IDENTITY, "host")
+KEY = ("role",) + IDENTITY  # what makes two ranks the same rank
+_IDENTITY_FIELDS = (*KEY, "host")
+
+Targets = Sequence[str] | str | Mapping[str, Mapping[str, Any]]
+
+
+# --------------------------------------------------------------------------- what can go wrong with one rank
+
+
+class Unreachable(Exception):
+    """No answer at all: refused, reset or timed out (after the retries)."""
+
+
+class Failed(Exception):
+    """An answer that is an error, or not a valid digest table."""
+
+
+class Empty(Failed):
+    """An answer with no parameters at all: the rank holds nothing to check."""
+
+
+class NotRun(Exception):
+    """Mixed in where a request certainly did not run its action (refused, or never delivered)."""
+
+
+class Refused(Failed, NotRun):
+    """A 4xx answer to a mutation: the agent refused it before running anything."""
+
+
+class NotDelivered(Unreachable, NotRun):
+    """The connection was refused: the request never reached the rank."""
+
+
+def kind_of(error: BaseException) -> str:
+    """``unreachable``, ``empty`` or ``failed``: the ``kind`` column of a failed rank."""
+    if isinstance(error, Unreachable):
+        return "unreachable"
+    return "empty" if isinstance(error, Empty) else "failed"
+
+
+def message_of(resp: httpx.Response) -> str:
+    """An HTTP error answer's JSON ``error`` (or ``message``), or the start of whatever else the body holds."""
+    try:
+        body = resp.json()
+    except ValueError:
+        body = None
+    if isinstance(body, dict):
+        for k in ("error", "message", "detail"):
+            if k in body:
+                return str(body[k])
+    return resp.text[:200] or resp.reason_phrase
+
+
+# --------------------------------------------------------------------------- targets
+
+
+def checked_url(url: Any) -> str:
+    """``url`` without a trailing slash, once it is an ``http(s)://host[:port]`` address; else a ValueError naming it."""
+    import httpx
+
+    text = str(url).strip().rstrip("/")
+    try:
+        parsed = httpx.URL(text)
+    except (httpx.InvalidURL, TypeError, ValueError) as e:
+        raise ValueError(f"{str(url)[:200]!r} is not a URL ({e})") from None
+    if parsed.scheme not in ("http", "https") or not parsed.host:
+        raise ValueError(f"{str(url)[:200]!r} is not an agent URL: expected http://host:port (or https://)")
+    return text
+
+
+def checked_expected(label: str, ident: Any) -> dict[str, Any]:
+    """The identity a caller expects of one target, checked for its keys."""
+    if not isinstance(ident, Mapping):
+        raise TypeError(f"the identity expected at {label} must be a mapping (role, rank, dp, pp, tp, ep), got {type(ident).__name__}")
+    unknown = sorted(set(ident) - set(_IDENTITY_FIELDS))
+    if unknown:
+        raise ValueError(f"the identity expected at {label} has unknown key(s) {', '.join(unknown)}; allowed: {', '.join(KEY)}, host")
+    return dict(ident)
+
+
+def normalize(urls: Targets) -> tuple[tuple[str, ...], list[dict[str, Any]]]:
+    """The URLs (checked, each once), and the identity expected at each (empty when only URLs are given)."""
+    if isinstance(urls, str):
+        urls = [urls]
+    pairs = list(urls.items()) if isinstance(urls, Mapping) else [(u, {}) for u in urls]
+    out = tuple(checked_url(u) for u, _ in pairs)
+    seen: set[str] = set()
+    for u in out:
+        if u in seen:
+            raise ValueError(f"URL {u} is given twice; each rank must be fetched once")
+        seen.add(u)
+    return out, [checked_expected(u, ident) for u, (_, ident) in zip(out, pairs)]
+
+
+# --------------------------------------------------------------------------- identity and rows
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def identity_of(info: Any, what: str) -> dict[str, Any]:
+    """The identity a rank's info claims (role, rank, dp, pp, tp, ep, host), or :class:`Failed` saying why not."""
+    if not isinstance(info, dict):
+        raise Failed(f"{what} answered {str(info)[:200]!r}, not a rank's info")
+    if info.get("rank") is None and "error" in info:
+        raise Failed(f"{what} answered an error: {info['error']}")
+    if not isinstance(info.get("role"), str) or not _is_int(info.get("rank")):
+        raise Failed(f"{what} is not a rank's info (needs a role and an integer rank): {str(info)[:200]}")
+    for k in IDENTITY[1:]:
+        if info.get(k) is not None and not _is_int(info[k]):
+            raise Failed(f"{what} has a non-integer {k}: {info[k]!r}")
+    return {k: info.get(k) for k in _IDENTITY_FIELDS}
+
+
+def key_of(ident: Mapping[str, Any]) -> tuple[Any, ...]:
+    """What makes two ranks the same rank: (role, rank, dp, pp, tp, ep)."""
+    return tuple(ident.get(k) for k in KEY)
+
+
+def check_expected(ident: Mapping[str, Any], expected: Mapping[str, Any], said_by: str, target: str = "this URL") -> None:
+    """A rank must be the one the caller says lives at ``target`` (a launcher that mixed ranks up)."""
+    wrong = [k for k in KEY if expected.get(k) is not None and ident.get(k) != expected[k]]
+    if wrong:
+        said = ", ".join(f"{k}={ident.get(k)}" for k in wrong)
+        want = ", ".join(f"{k}={expected[k]}" for k in wrong)
+        raise Failed(f"{said_by} says {said} but {target} was expected to serve {want}")
+
+
+def rows_frame(rows: Any, ident: Mapping[str, Any], label: str, what: str) -> pd.DataFrame:
+    """A rank's rows as a schema-valid frame that carries exactly ``ident``, with a ``url`` column (``label``)."""
+    if isinstance(rows, pd.DataFrame):
+        rows = rows.to_dict(orient="records")
+    if not isinstance(rows, list) or not all(isinstance(r, Mapping) for r in rows):
+        raise Failed(f"{what} did not give a list of row dicts: {str(rows)[:200]}")
+    try:
+        frame = make_frame(rows)
+    except TableError as e:
+        raise Failed(f"{what} is not a digest table: {e}") from None
+    for k in KEY:
+        want = ident.get(k)
+        col = frame[k]
+        wrong = col.notna() if want is None else (col.isna() | (col != want))
+        if bool(wrong.any()):
+            raise Failed(f"{what} rows claim {k}={col[wrong].iloc[0]!r} but the rank's info says {k}={want!r}")
+    frame["url"] = label
+    return frame
+
+
+def empty_reason(info: Mapping[str, Any] | None, rows: int, filtered: bool) -> str | None:
+    """Why a rank that answered counts as empty (its info counts no parameters, or it gave no rows
+    unfiltered), or None. A name filter that matches nothing on a rank is not an empty rank."""
+    params = info.get("params") if isinstance(info, Mapping) else None
+    if _is_int(params) and params == 0:
+        return "holds no parameters (its info counts 0): weights released or offloaded, or a mis-wired holder"
+    if not filtered and rows == 0:
+        return "answered with no parameters: weights released or offloaded, or a mis-wired holder"
+    return None
+
+
+# --------------------------------------------------------------------------- results
+
+
+@dataclass
+class FetchResult:
+    """What a fetch collected: the rows of the ranks that answered, and the ranks that did not.
+
+    ``frame`` is schema-valid (:func:`wcviz.frame.validate`) with an extra ``url`` column;
+    ``failed`` has :data:`FAILED_COLUMNS` with ``kind`` ``unreachable`` (no answer),
+    ``failed`` (an error answer or a table that does not hold up) or ``empty`` (it
+    answered, holding no parameters); ``errors`` maps those URLs to their message;
+    ``infos`` maps each answering URL to its info. Every target is in exactly one of
+    the two frames.
+    """
+
+    urls: tuple[str, ...]
+    frame: pd.DataFrame
+    failed: pd.DataFrame
+    errors: dict[str, str] = field(default_factory=dict)
+    infos: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    @property
+    def answered(self) -> int:
+        """How many ranks answered with a digest table (an empty one included)."""
+        silent = int((self.failed["kind"] != "empty").sum()) if len(self.failed) else 0
+        return len(self.urls) - silent
+
+    @property
+    def complete(self) -> bool:
+        """True only when every target was collected, none empty (and at least one was given)."""
+        return bool(self.urls) and not self.errors
+
+    @property
+    def summary(self) -> str:
+        """One line: ``3 of 4 ranks answered; 1 unreachable: URL (why)``."""
+        parts = [f"{self.answered} of {len(self.urls)} ranks answered"]
+        for kind in ("unreachable", "failed", "empty"):
+            rows = self.failed[self.failed["kind"] == kind]
+            if len(rows):
+                listed = ", ".join(f"{r.url} ({r.error})" for r in rows.itertuples())
+                parts.append(f"{len(rows)} {kind}: {listed}")
+        return "; ".join(parts)
+
+    def __str__(self) -> str:
+        return self.summary
+
+    def with_failed(self, rows: Sequence[Mapping[str, Any]]) -> FetchResult:
+        """This result and more ranks that did not answer (each row: ``url``, ``kind``, ``error`` and its identity)."""
+        if not rows:
+            return self
+        extra = _failed_frame(rows)
+        return FetchResult(
+            urls=self.urls + tuple(str(r["url"]) for r in rows),
+            frame=self.frame,
+            failed=pd.concat([self.failed, extra], ignore_index=True) if len(self.failed) else extra,
+            errors={**self.errors, **{str(r["url"]): str(r["error"]) for r in rows}},
+            infos=dict(self.infos),
+        )
+
+
+def _failed_frame(rows: Sequence[Mapping[str, Any]]) -> pd.DataFrame:
+    frame = pd.DataFrame([{c: row.get(c) for c in FAILED_COLUMNS} for row in rows], columns=list(FAILED_COLUMNS))
+    for c in FAILED_COLUMNS:
+        frame[c] = frame[c].astype("Int64" if c in IDENTITY else "string")
+    return frame
+
+
+@dataclass
+class ActionResult:
+    """What one mutation sent to many ranks did: each target's answer body, or its error.
+
+    ``unreachable``: the targets that gave no answer. ``not_run``: the targets where
+    the action certainly did not run (refused with a 4xx, or the connection was
+    refused): a reset there poisoned nothing.
+    """
+
+    action: str
+    urls: tuple[str, ...]
+    answers: dict[str, dict[str, Any]] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)
+    unreachable: set[str] = field(default_factory=set)
+    not_run: set[str] = field(default_factory=set)
+
+    @property
+    def complete(self) -> bool:
+        """True only when every target acknowledged the action."""
+        return bool(self.urls) and not self.errors
+
+    @property
+    def summary(self) -> str:
+        """One line: ``reset: 3 of 4 ranks acknowledged; URL (why)``."""
+        parts = [f"{self.action}: {len(self.answers)} of {len(self.urls)} ranks acknowledged"]
+        if self.errors:
+            parts.append(", ".join(f"{u} ({e})" for u, e in self.errors.items()))
+        return "; ".join(parts)
+
+    def record(self, url: str, outcome: Any) -> None:
+        """File one target's outcome: an answer dict, or the exception its request ended in."""
+        if not isinstance(outcome, BaseException):
+            self.answers[url] = outcome
+            return
+        self.errors[url] = str(outcome) if isinstance(outcome, (Unreachable, Failed)) else _one_line(outcome)
+        if isinstance(outcome, Unreachable):
+            self.unreachable.add(url)
+        if isinstance(outcome, NotRun):
+            self.not_run.add(url)
+
+
+def _one_line(e: BaseException) -> str:
+    from wcviz._text import one_line
+
+    return one_line(e)
+
+
+Collected = tuple[str, dict[str, Any], dict[str, Any], pd.DataFrame]  # (label, identity, info, frame)
+
+
+def _sortable(key: tuple[Any, ...]) -> tuple[Any, ...]:
+    """An identity key that sorts with None last (role, then rank, dp, pp, tp, ep)."""
+    return tuple((v is None, v if v is not None else 0) for v in key)
+
+
+def assemble(
+    collected: Sequence[Collected],
+    failed: Sequence[dict[str, Any]],
+    *,
+    filtered: bool = False,
+    targets: Sequence[str] | None = None,
+) -> FetchResult:
+    """The one :class:`FetchResult` from the ranks collected and the failure rows (``url``, ``kind``,
+    ``error`` and the identity known).
+
+    Two answers that claim one rank fail both (neither can be trusted to be it); a
+    rank with no parameters is ``empty`` (``filtered``: the rows were filtered by name,
+    so no rows alone does not make a rank empty). The frame is ordered by rank
+    identity, never by arrival. ``targets``: the targets in the caller's order (the
+    result's ``urls``, and the order of ``failed``); without them, labels given twice
+    get `` #1``, `` #2`` so each names one target, and ``failed`` is ordered by identity.
+    """
+    failures = [dict(f) for f in failed]
+    by_key: dict[tuple[Any, ...], list[Collected]] = {}
+    for label, ident, info, frame in collected:
+        why = empty_reason(info, len(frame), filtered)
+        if why is not None:
+            failures.append({"url": label, "kind": "empty", "error": why, **ident})
+        else:
+            by_key.setdefault(key_of(ident), []).append((label, ident, info, frame))
+    kept: list[tuple[str, dict[str, Any], pd.DataFrame]] = []
+    for key, claims in sorted(by_key.items(), key=lambda kv: _sortable(kv[0])):
+        if len(claims) > 1:
+            rank = ", ".join(f"{k}={v}" for k, v in zip(KEY, key) if v is not None)
+            for label, ident, _, _ in claims:
+                others = ", ".join(lb for lb, *_ in claims if lb != label)
+                failures.append({"url": label, "kind": "failed", "error": f"claims the same rank ({rank}) as {others}", **ident})
+            continue
+        label, _, info, frame = claims[0]
+        kept.append((label, info, frame))
+    if targets is None:
+        kept, failures = _unique_labels(kept, failures)
+        failures.sort(key=lambda row: (_sortable(key_of(row)), str(row["url"])))
+        urls = tuple([lb for lb, _, _ in kept] + [str(f["url"]) for f in failures])
+    else:
+        order = {u: i for i, u in enumerate(targets)}
+        failures.sort(key=lambda row: order.get(str(row["url"]), len(order)))
+        urls = tuple(targets)
+    frames = []
+    for label, _, frame in kept:
+        frame["url"] = label
+        if len(frame):
+            frames.append(frame)
+    if frames:
+        frame = pd.concat(frames, ignore_index=True).sort_values(list(KEY), kind="stable", na_position="last")
+        frame = validate(frame.reset_index(drop=True), source="ranks")
+    else:
+        frame = make_frame([])
+        frame["url"] = pd.Series(dtype="string")
+    frame["url"] = frame["url"].astype("string")
+    return FetchResult(
+        urls=urls,
+        frame=frame,
+        failed=_failed_frame(failures),
+        errors={str(f["url"]): str(f["error"]) for f in failures},
+        infos={lb: info for lb, info, _ in kept},
+    )
+
+
+def _unique_labels(
+    kept: list[tuple[str, dict[str, Any], pd.DataFrame]], failures: list[dict[str, Any]]
+) -> tuple[list[tuple[str, dict[str, Any], pd.DataFrame]], list[dict[str, Any]]]:
+    """Labels given twice (two workers with one label) become `` #1``, `` #2``: each names one target."""
+    from collections import Counter
+
+    counts = Counter([lb for lb, _, _ in kept] + [str(f["url"]) for f in failures])
+    seen: Counter[str] = Counter()
+
+    def unique(label: str) -> str:
+        if counts[label] == 1:
+            return label
+        seen[label] += 1
+        return f"{label} #{seen[label]}"
+
+    kept = [(unique(lb), info, frame) for lb, info, frame in kept]
+    for f in failures:
+        f["url"] = unique(str(f["url"]))
+    return kept, failures
