@@ -25,6 +25,7 @@ from wcviz.refit.verify import (
     RefitProtocolError,
     RefitResult,
     check,
+    verify_digests,
 )
 
 
@@ -58,18 +59,18 @@ def test_off_compares_nothing_and_is_never_a_pass(sides, caplog):
     poisoned = {n: Digest(str(v), "sha256") for n, v in receiver.items()}
     for other in (receiver, poisoned, None, {}):
         with caplog.at_level(logging.DEBUG, logger="wcviz.refit"):
-            r = check("off", sender, other, nbytes=123)
+            r = verify_digests("off", sender, other, nbytes=123)
         assert (r.mode, r.params, r.nbytes, r.verified) == ("off", 4, 123, False)
         assert r.mismatched == r.missing == r.unexpected == () and r.bad == []
         assert r.ok is False
     assert refit_warnings(caplog) == []
-    assert check("off", sender, dict(sender)).ok is False  # even identical sides: off is not "ok"
+    assert verify_digests("off", sender, dict(sender)).ok is False  # even identical sides: off is not "ok"
 
 
 def test_log_reports_exactly_what_differs(sides, caplog):
     sender, receiver = sides
     with caplog.at_level(logging.WARNING, logger="wcviz.refit"):
-        r = check("log", sender, receiver, nbytes=64)
+        r = verify_digests("log", sender, receiver, nbytes=64)
     assert r.verified and not r.ok
     assert r.mismatched == ("b",)
     assert r.missing == ("c",)
@@ -87,18 +88,18 @@ def test_log_reports_exactly_what_differs(sides, caplog):
 def test_log_with_everything_intact(sides, caplog):
     sender, _ = sides
     with caplog.at_level(logging.WARNING, logger="wcviz.refit"):
-        r = check("log", sender, dict(sender))
+        r = verify_digests("log", sender, dict(sender))
     assert r.ok and r.verified and r.bad == []
     assert refit_warnings(caplog) == []
 
 
 def test_hex_case_does_not_matter():
-    assert check("enforce", {"w": "ABCDEF"}, {"w": "abcdef"}).ok
+    assert verify_digests("enforce", {"w": "ABCDEF"}, {"w": "abcdef"}).ok
 
 
 def test_result_keeps_its_own_copy_of_both_sides(sides):
     sender, receiver = sides
-    r = check("log", sender, receiver)
+    r = verify_digests("log", sender, receiver)
     sender["z"] = "00"
     receiver.clear()
     assert "z" not in r.sender and "e" in r.receiver
@@ -110,7 +111,7 @@ def test_enforce_raises_naming_every_bad_parameter(sides, caplog, many):
     if many:
         receiver = {n: "0" * 32 for n in [*sender, "x", "y"]}
     with pytest.raises(RefitDigestMismatch) as info:
-        check("enforce", sender, receiver)
+        verify_digests("enforce", sender, receiver)
     err = info.value
     assert isinstance(err, RuntimeError) and isinstance(err, RefitError) and isinstance(err, WcvizError)
     assert isinstance(err.result, RefitResult) and err.result.mode == "enforce" and not err.result.ok
@@ -123,7 +124,7 @@ def test_enforce_raises_naming_every_bad_parameter(sides, caplog, many):
 
 def test_enforce_passes_when_intact(sides):
     sender, _ = sides
-    r = check("enforce", sender, dict(sender), nbytes=7)
+    r = verify_digests("enforce", sender, dict(sender), nbytes=7)
     assert r.ok and r.mode == "enforce" and r.nbytes == 7
 
 
@@ -131,7 +132,7 @@ def test_digest_mismatch_survives_pickling(sides):
     # raised on one side of a process boundary, reported on the other
     sender, receiver = sides
     with pytest.raises(RefitDigestMismatch) as info:
-        check("enforce", sender, receiver)
+        verify_digests("enforce", sender, receiver)
     back = pickle.loads(pickle.dumps(info.value))
     assert type(back) is RefitDigestMismatch
     assert back.result == info.value.result and str(back) == str(info.value)
@@ -141,14 +142,14 @@ def test_digest_mismatch_survives_pickling(sides):
 def test_no_receiver_digests_is_a_protocol_error(sides, mode):
     sender, _ = sides
     with pytest.raises(RefitProtocolError, match="no digests"):
-        check(mode, sender, None)
+        verify_digests(mode, sender, None)
 
 
 @pytest.mark.parametrize("mode", ["", "Off", "LOG", "strict", None])
 def test_unknown_mode(sides, mode):
     sender, receiver = sides
     with pytest.raises(ValueError, match="off, log, enforce") as info:
-        check(mode, sender, receiver)  # type: ignore[arg-type]
+        verify_digests(mode, sender, receiver)  # type: ignore[arg-type]
     assert repr(mode) in str(info.value)
 
 
@@ -159,10 +160,10 @@ def test_algorithm_mismatch_raises(mode):
     receiver = {"w": digest_hex(t, algo="sha256")}
     assert sender["w"].algo != receiver["w"].algo
     with pytest.raises(AlgorithmMismatch, match="sha256"):
-        check(mode, sender, receiver)
+        verify_digests(mode, sender, receiver)
     # same text, different algorithm labels: still refused
     with pytest.raises(AlgorithmMismatch):
-        check(mode, {"w": Digest("ab" * 16, "nemo-rl-v3")}, {"w": Digest("ab" * 16, "sha256")})
+        verify_digests(mode, {"w": Digest("ab" * 16, "nemo-rl-v3")}, {"w": Digest("ab" * 16, "sha256")})
 
 
 def test_describe():
@@ -570,3 +571,9 @@ def test_packing_exports():
         "ALIGN", "aligned", "Bucket", "plan", "walk", "pack", "unpack", "Meta", "NamedTensors", "metadata", "metadata_of",
         "named_tensors", "nbytes",
     }  # fmt: skip
+
+
+def test_check_is_a_deprecated_name_of_verify_digests():
+    sender = {"w": "ab" * 16}
+    with pytest.warns(DeprecationWarning, match="verify_digests"):
+        assert check("log", sender, dict(sender)).ok

@@ -19,6 +19,8 @@ _EXPORTS = {
     "RefitTimeout": "wcviz.refit.verify",
     "RefitDigestMismatch": "wcviz.refit.verify",
     "check": "wcviz.refit.verify",
+    "compare": "wcviz.refit.verify",
+    "verify_digests": "wcviz.refit.verify",
     "Fault": "wcviz.refit.faults",
     "FaultPlan": "wcviz.refit.faults",
     "VerifyConfig": "wcviz.refit.config",

@@ -55,7 +55,7 @@ from wcviz.refit._packing import named_tensors as tensor_pairs
 from wcviz.refit._shm import AttachedBuffer, BufferHandle, HandleError, OwnedBuffer
 from wcviz.refit._transport import Transport
 from wcviz.refit.faults import FaultPlan, as_like, shifted
-from wcviz.refit.verify import RefitProtocolError, RefitResult, check, expected_names
+from wcviz.refit.verify import RefitProtocolError, RefitResult, expected_names, verify_digests
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -196,7 +196,7 @@ class IPCSender(Transport):
         size = sum(nbytes(t) for _, t in tensors)
         if acc is None:
             return RefitResult(self.mode, params=len(tensors), nbytes=size, expected=len(want))
-        return check(self.mode, acc.hex(), checked_digests(reply.get("digests"), self.address), nbytes=size, expected=want)
+        return verify_digests(self.mode, acc.hex(), checked_digests(reply.get("digests"), self.address), nbytes=size, expected=want)
 
     def _check_framing(self, tensors: list[tuple[str, torch.Tensor]], metadata: Mapping[str, Meta]) -> None:
         """Refuse, before anything is sent, names the receiver lacks and byte sizes it does not expect.

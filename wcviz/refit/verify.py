@@ -1,6 +1,6 @@
 """The comparison at the end of a refit: the sender's digests against the receiver's.
 
-Transports call :func:`check` once per stream with both sides' ``{name: hex}`` and
+Transports call :func:`verify_digests` once per stream with both sides' ``{name: hex}`` and
 the names the receiver must end up holding (``expected``: every parameter its
 metadata declares, unless the caller states a partial refit). ``off`` returns
 without looking (and transports compute nothing in that mode); ``log`` warns once
@@ -17,13 +17,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from wcviz._errors import WcvizError
 from wcviz.digest import compare_digests
 
 __all__ = [
     "MODES", "RefitResult", "RefitError", "RefitProtocolError", "RefitTimeout", "RefitDigestMismatch", "check",
-    "compare", "expected_names", "warn",
+    "compare", "expected_names", "verify_digests", "warn",
 ]  # fmt: skip
 
 log = logging.getLogger("wcviz.refit")
@@ -181,7 +182,7 @@ def warn(result: RefitResult, prefix: str = "refit verification: ") -> None:
         log.warning("%s%s was received but never sent", prefix, name)
 
 
-def check(
+def verify_digests(
     mode: str,
     sender: Mapping[str, str],
     receiver: Mapping[str, str] | None,
@@ -202,3 +203,11 @@ def check(
         raise RefitDigestMismatch(result)
     warn(result)
     return result
+
+
+def check(*args: Any, **kwargs: Any) -> RefitResult:
+    """Deprecated name of :func:`verify_digests` (``check`` said too little next to the end-state check)."""
+    import warnings
+
+    warnings.warn("wcviz.refit.check is deprecated: use wcviz.refit.verify_digests", DeprecationWarning, stacklevel=2)
+    return verify_digests(*args, **kwargs)

@@ -1,6 +1,6 @@
 """The layer × rank grid: which part of the model is wrong on which rank.
 
-Every view of a verdict frame (text, heatmap) is drawn from one layout: the
+Every view of a verdict frame (text, heatmap) is drawn from one grid: the
 model's parts in model order (rows), the ranks in identity order (columns) and
 the worst status of each cell. Both verdict kinds are read alike: comparison
 verdicts (:func:`wcviz.verdicts.compare`) and end-state verdicts
@@ -27,7 +27,7 @@ _PART_ORDER = {"embed": 0, "layer": 1, "norm": 2, "head": 3, "other": 4}
 
 
 @dataclass(frozen=True)
-class Layout:
+class Grid:
     """What every view draws: rows of the frame placed in the grid.
 
     ``cells`` has one row per verdict row (a rank-wide row once per part) with
@@ -80,7 +80,7 @@ def _severity(v: pd.DataFrame) -> pd.Series:
     return sev.astype("int64")
 
 
-def layout(verdicts: pd.DataFrame) -> Layout:
+def grid_of(verdicts: pd.DataFrame) -> Grid:
     """Place a verdict frame's rows in the part × rank grid (the form every view reads)."""
     if not isinstance(verdicts, pd.DataFrame):
         raise TableError(f"expected a verdict DataFrame, got {type(verdicts).__name__}")
@@ -108,22 +108,22 @@ def layout(verdicts: pd.DataFrame) -> Layout:
         placed = pd.concat([placed.drop(columns="key"), spread], ignore_index=True)
     else:
         placed = placed.drop(columns="key")
-    return Layout(cells=placed.reset_index(drop=True), parts=parts, ranks=coords.index.tolist(), coords=coords, used=used)
+    return Grid(cells=placed.reset_index(drop=True), parts=parts, ranks=coords.index.tolist(), coords=coords, used=used)
 
 
-def _pivot(lay: Layout, values: pd.Series, dtype: str) -> pd.DataFrame:
+def _pivot(lay: Grid, values: pd.Series, dtype: str) -> pd.DataFrame:
     wide = values.unstack("rank") if len(values) else pd.DataFrame()
     grid = wide.reindex(index=lay.parts, columns=lay.ranks).astype(dtype)
     grid.index.name, grid.columns.name = "part", "rank"
     return grid
 
 
-def worst_severity(lay: Layout) -> pd.DataFrame:
+def worst_severity(lay: Grid) -> pd.DataFrame:
     """The grid as severity indices (``Int64``, 0 = worst): what text and plots draw from."""
     return _pivot(lay, lay.cells.groupby(["part", "rank"], sort=False)["severity"].min(), "Int64")
 
 
-def nonmatch_counts(lay: Layout) -> pd.DataFrame:
+def nonmatch_counts(lay: Grid) -> pd.DataFrame:
     """Non-``match`` rows per cell (``Int64``), NA where the rank holds nothing of that part."""
     bad = (lay.cells["severity"] != SEVERITY.index("match")).astype("int64")
     return _pivot(lay, bad.groupby([lay.cells["part"], lay.cells["rank"]], sort=False).sum(), "Int64")
@@ -140,9 +140,9 @@ def layer_rank_grid(verdicts: pd.DataFrame) -> pd.DataFrame:
     block speaks for its whole rank (say, ``unreachable``) and fills every part.
     """
     names = dict(enumerate(SEVERITY))
-    return worst_severity(layout(verdicts)).apply(lambda col: col.map(names, na_action="ignore")).astype("string")
+    return worst_severity(grid_of(verdicts)).apply(lambda col: col.map(names, na_action="ignore")).astype("string")
 
 
 def layer_rank_counts(verdicts: pd.DataFrame) -> pd.DataFrame:
     """Non-``match`` rows per (model part, rank), shaped as :func:`layer_rank_grid`; NA where nothing is held."""
-    return nonmatch_counts(layout(verdicts))
+    return nonmatch_counts(grid_of(verdicts))

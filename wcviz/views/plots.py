@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import pandas as pd
 
-from wcviz.views._grid import SEVERITY, layout, nonmatch_counts, worst_severity
+from wcviz.views._grid import SEVERITY, grid_of, nonmatch_counts, worst_severity
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -80,7 +80,7 @@ def plot_layer_rank(verdicts: pd.DataFrame, *, ax: Axes | None = None, title: st
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch
 
-    lay = layout(verdicts)
+    lay = grid_of(verdicts)
     worst = worst_severity(lay)
     n_rows, n_cols = worst.shape
     if ax is None:

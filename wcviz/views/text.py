@@ -25,7 +25,7 @@ import pandas as pd
 
 from wcviz._text import listing, plural
 from wcviz.verdicts import status_parts
-from wcviz.views._grid import SEVERITY, Layout, layout, worst_severity
+from wcviz.views._grid import SEVERITY, Grid, grid_of, worst_severity
 
 __all__ = ["MARKS", "NOT_HELD", "layer_rank_text", "status_counts_text"]
 
@@ -45,7 +45,7 @@ NOT_HELD = "-"  # the rank holds nothing of that part
 assert set(MARKS) == set(SEVERITY)
 
 
-def _header(lay: Layout, shown: list[str]) -> tuple[list[tuple[str, list[str]]], int]:
+def _header(lay: Grid, shown: list[str]) -> tuple[list[tuple[str, list[str]]], int]:
     """Header lines as (label, one string per rank column) and the cell width."""
     if not lay.used:
         return [("rank", list(shown))], max(len(r) for r in shown)
@@ -70,7 +70,7 @@ def _pick(worst: pd.DataFrame, max_ranks: int | None) -> list[str]:
     return [r for r in ranks if r in chosen]
 
 
-def _totals(lay: Layout) -> list[str]:
+def _totals(lay: Grid) -> list[str]:
     """One line per status that occurs: its rows, and the ranks it is on."""
     rows = lay.cells.drop_duplicates("row")
     present = [(i, s) for i, s in enumerate(SEVERITY) if (rows["severity"] == i).any()]
@@ -98,7 +98,7 @@ def layer_rank_text(verdicts: pd.DataFrame, *, max_ranks: int | None = None) -> 
     the ones with the worst findings first; a line says how many are left out.
     Totals count every row of the frame, drawn or not.
     """
-    lay = layout(verdicts)
+    lay = grid_of(verdicts)
     if not lay.parts:
         return "no verdicts"
     worst = worst_severity(lay)
@@ -132,7 +132,7 @@ def status_counts_text(verdicts: pd.DataFrame) -> str:
     ``4 ranks, 24 verdicts: 3 unwritten on 1 rank, 21 match`` (the counts of
     :func:`wcviz.verdicts.status_parts`, without naming the ranks).
     """
-    lay = layout(verdicts)
+    lay = grid_of(verdicts)
     parts = status_parts(verdicts, name_ranks=False)
     head = (f"{plural(len(lay.ranks), 'rank')}, " if lay.used else "") + plural(len(verdicts), "verdict")
     return f"{head}: {', '.join(parts) or 'nothing to check'}"

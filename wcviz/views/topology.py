@@ -31,7 +31,7 @@ import pandas as pd
 
 from wcviz._errors import TableError
 from wcviz._text import plural
-from wcviz.views._grid import SEVERITY, layout
+from wcviz.views._grid import SEVERITY, grid_of
 from wcviz.views.plots import COLORS, _ink
 from wcviz.views.text import MARKS
 
@@ -117,7 +117,7 @@ def topology(verdicts: pd.DataFrame) -> Topology:
     engine = v[~trainer] if (~trainer).any() else v
     trainer_hosts = sorted({str(h) for h in hosts[trainer].dropna()}) if (~trainer).any() else []
     engine_hosts = hosts[engine.index].reset_index(drop=True)
-    lay = layout(engine.reset_index(drop=True))
+    lay = grid_of(engine.reset_index(drop=True))
     rows = lay.cells.drop_duplicates("row")
     if not len(rows):
         return Topology(pd.DataFrame(columns=["group", "row", "col", "label", "severity", "count"]), [], [], 0, False, {}, trainer_hosts)
