@@ -2,7 +2,10 @@
 
 "nemo-rl-v3" is bit-compatible with NeMo-RL's refit verification (see
 ``shared/digest-algorithm.md``); "sha256" hashes the same metadata and bytes
-with SHA-256 on the host. Backends: ``torch`` (the reference, any device),
+with SHA-256 on the host. The engines' own checksums, bit-identical, by name:
+"vllm-sha256" (vLLM's ``/weight_checker``), "sglang-cpu" and "sglang-gpu"
+(SGLang's ``/weights_checker`` on a CPU and on a CUDA tensor); see
+:mod:`wcviz.digest._engines`. Backends for "nemo-rl-v3": ``torch`` (the reference, any device),
 ``numba`` (the fast CPU path) and ``triton`` (CUDA, a whole batch in three
 launches); ``auto`` picks the fastest that runs there.
 """
@@ -29,10 +32,12 @@ from wcviz.digest._api import (
     resolve_backend,
     tensor_digest,
 )
+from wcviz.digest._engines import ENGINE_ALGORITHMS
 from wcviz.digest._fill import FILL_ALGORITHMS, fill_digest
 from wcviz.digest._lanes import logical_bytes
 
 __all__ = [
+    "ENGINE_ALGORITHMS",
     "FILL_ALGORITHMS",
     "ALGORITHMS",
     "BACKENDS",

@@ -40,7 +40,7 @@ __all__ = [
 log = logging.getLogger("wcviz.digest")
 
 DEFAULT_ALGO = _spec.ALGO
-ALGORITHMS = (_spec.ALGO, "sha256")
+ALGORITHMS = (_spec.ALGO, "sha256", "vllm-sha256", "sglang-cpu", "sglang-gpu")  # the last three: the engines' own
 BACKENDS = ("auto", "torch", "numba", "triton")
 
 # What a digest of each algorithm a table may hold looks like (lowercase hex): wcviz's own
@@ -49,7 +49,10 @@ BACKENDS = ("auto", "torch", "numba", "triton")
 DIGEST_FORMATS: dict[str, tuple[str, re.Pattern[str]]] = {
     _spec.ALGO: ("32 hex characters", re.compile(r"[0-9a-f]{32}")),
     "sha256": ("64 hex characters", re.compile(r"[0-9a-f]{64}")),
-    "sglang": ("1 to 16 hex characters", re.compile(r"[0-9a-f]{1,16}")),
+    "vllm-sha256": ("64 hex characters", re.compile(r"[0-9a-f]{64}")),
+    "sglang-cpu": ("16 hex characters", re.compile(r"[0-9a-f]{16}")),
+    "sglang-gpu": ("16 hex characters", re.compile(r"[0-9a-f]{16}")),
+    "sglang": ("1 to 16 hex characters", re.compile(r"[0-9a-f]{1,16}")),  # tables of wcviz < 0.2: SGLang, unsure which path
 }
 
 # Host tensors up to this many bytes are digested together, one kernel call for
@@ -281,16 +284,27 @@ def _hex_words(words: Sequence[int]) -> Digest:
     return Digest(_spec.hex_of(words[0], words[1]), _spec.ALGO)
 
 
-def _sha256_of(t: torch.Tensor, name: str | None) -> Digest:
-    raw = _lanes.logical_bytes(t, name).cpu().numpy()
+def _sha256_of(t: torch.Tensor, name: str | None, algo: str = "sha256") -> Digest:
+    """A digest computed from the tensor's bytes in one piece (every algorithm but nemo-rl-v3): one sync."""
+    raw = _lanes.logical_bytes(t, name)
+    if algo == "sglang-gpu" and raw.device.type == "cuda":
+        from wcviz.digest._engines import sglang_gpu_words
+
+        return Digest(f"{sglang_gpu_words(raw):016x}", algo)
+    host = raw.cpu().numpy()
+    if algo != "sha256":
+        from wcviz.digest._engines import engine_digest
+
+        return Digest(engine_digest(algo, host), algo)
     dtype_name, shape, nbytes = _lanes.seed_args(t)
-    return Digest(sha256_hex(raw.data, dtype_name, shape, nbytes), "sha256")
+    return Digest(sha256_hex(host.data, dtype_name, shape, nbytes), "sha256")
 
 
 def digest_hex(t: torch.Tensor, *, algo: str = DEFAULT_ALGO, backend: str = "auto", name: str | None = None) -> Digest:
-    """The digest of ``t`` as lowercase hex (32 characters for "nemo-rl-v3", 64 for "sha256")."""
-    if _check_algo(algo) == "sha256":
-        return _sha256_of(t, name)
+    """The digest of ``t`` as lowercase hex (32 characters for "nemo-rl-v3", 64 for "sha256" and "vllm-sha256",
+    16 for "sglang-cpu" and "sglang-gpu": what those engines' own checkers report for the same tensor)."""
+    if _check_algo(algo) != _spec.ALGO:
+        return _sha256_of(t, name, algo)
     return _hex_words(tensor_digest(t, backend=backend, name=name).tolist())
 
 
@@ -332,7 +346,7 @@ def digest_timed(
     chosen = {}
     for name, t in items:  # every input is checked before any work is done
         _lanes.check_digestible(t, name)
-        chosen[name] = "host" if algo == "sha256" else resolve_backend(backend, t.device.type, name)
+        chosen[name] = "host" if algo != _spec.ALGO else resolve_backend(backend, t.device.type, name)
     out: dict[str, tuple[Digest, float]] = {}
     queued: dict[Any, list[tuple[str, torch.Tensor, int]]] = {}
     started: dict[Any, float] = {}
@@ -347,7 +361,7 @@ def digest_timed(
             queued.setdefault(t.device, []).append((name, words, t.numel() * t.element_size()))
         else:
             t0 = time.perf_counter()
-            d = _sha256_of(t, name) if algo == "sha256" else _hex_words(tensor_digest(t, backend=how, name=name).tolist())
+            d = _sha256_of(t, name, algo) if algo != _spec.ALGO else _hex_words(tensor_digest(t, backend=how, name=name).tolist())
             out[name] = (d, time.perf_counter() - t0)
     for (how, _), group in batches.items():
         t0 = time.perf_counter()
@@ -396,7 +410,7 @@ class DigestAccumulator:
         """Digest ``t`` under ``name`` (a name may be added once)."""
         if name in self._pending:
             raise DigestError(f"duplicate parameter names: {name}")
-        self._pending[name] = _sha256_of(t, name) if self.algo == "sha256" else tensor_digest(t, backend=self.backend, name=name)
+        self._pending[name] = _sha256_of(t, name, self.algo) if self.algo != _spec.ALGO else tensor_digest(t, backend=self.backend, name=name)
 
     def hex(self) -> dict[str, Digest]:
         """Every digest so far, as ``{name: Digest}`` in the order added; one sync per device."""
@@ -451,6 +465,10 @@ def digest_buffer(
         raise DigestError(f"{what}: expected at least {nbytes} bytes of uint8 for {dt} {list(shape)}, got {raw.shape[0]} {raw.dtype}")
     if _check_algo(algo) == "sha256":
         return Digest(sha256_hex(raw.data, str(dt), shape, nbytes), "sha256")
+    if algo != _spec.ALGO:
+        from wcviz.digest._engines import engine_digest
+
+        return Digest(engine_digest(algo, raw[:nbytes]), algo)
     padded = (nbytes + 7) // 8 * 8
     if nbytes == 0:
         lanes = torch.empty(0, dtype=torch.int64)

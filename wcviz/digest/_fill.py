@@ -25,7 +25,7 @@ from wcviz.digest._spec import CHAIN, CHUNK, LT, MASK64, MUL, RT, chunk_width
 
 __all__ = ["FILL_ALGORITHMS", "fill_digest"]
 
-FILL_ALGORITHMS = (_spec.ALGO, "sha256")  # the algorithms whose fill digest is computable here
+FILL_ALGORITHMS = (_spec.ALGO, "sha256", "vllm-sha256", "sglang-cpu", "sglang-gpu")  # every algorithm wcviz computes
 
 Runs = list[tuple[int, int]]  # (lane value, how many in a row)
 
@@ -149,4 +149,8 @@ def fill_digest(algo: str, dtype_name: str, shape: Sequence[int], nbytes: int, b
         return _nemo(name, dims, int(nbytes), int(byte))
     if algo == "sha256":
         return _sha256(name, dims, int(nbytes), int(byte))
+    if algo in ("vllm-sha256", "sglang-cpu", "sglang-gpu"):  # the engines hash bytes alone: only nbytes counts
+        from wcviz.digest._engines import engine_fill_digest
+
+        return engine_fill_digest(algo, int(nbytes), int(byte))
     raise ValueError(f"the digest of a filled tensor is computable for {', '.join(FILL_ALGORITHMS)}, not {algo!r}")
