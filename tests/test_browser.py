@@ -338,7 +338,7 @@ def test_dashboard_in_jupyterlab_chromium(tmp_path):
                     label=next(x for x in labels if x.startswith("unwritten"))
                 )
                 table = page.locator(".wcviz-table table")
-                expect(table).to_contain_text("down_proj")
+                expect(table.locator("tbody tr")).to_have_count(2, timeout=ACTION_S * 1000)  # the filtered table, re-drawn
                 rows = table.evaluate(
                     """t => { const head = [...t.querySelectorAll('thead th')].map(th => th.innerText.trim());
                               return [...t.querySelectorAll('tbody tr')].map(tr =>

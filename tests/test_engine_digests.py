@@ -19,8 +19,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import zipfile
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -32,8 +30,8 @@ from wcviz.digest._engines import _sglang_gpu_host, reference_sglang_gpu, sglang
 from wcviz.frame import make_frame
 from wcviz.sources import from_named_tensors
 
-SGLANG_VERSION = "0.5.23"
-KERNEL = "sglang/kernels/ops/memory/gpu_tensor_hash.py"  # inside the sglang wheel
+from _wheels import sglang_file
+
 TILE_BYTES = 8192 * 4
 SIZES = [0, 1, 3, 4, 5, 1000, TILE_BYTES - 1, TILE_BYTES, TILE_BYTES + 2, 3 * TILE_BYTES + 7]
 
@@ -146,26 +144,6 @@ def test_tables_check_the_engine_digest_formats() -> None:
 # --------------------------------------------------------------------------- SGLang's own kernel
 
 
-def _sglang_kernel() -> Path:
-    """SGLang 0.5.23's gpu_tensor_hash.py, out of the released wheel (downloaded once, cached)."""
-    cache = Path(os.environ.get("WCVIZ_TEST_CACHE", Path.home() / ".cache" / "wcviz-tests")) / f"sglang-{SGLANG_VERSION}"
-    kernel = cache / "gpu_tensor_hash.py"
-    if kernel.exists():
-        return kernel
-    cache.mkdir(parents=True, exist_ok=True)
-    wheels = list(cache.glob(f"sglang-{SGLANG_VERSION}-*.whl"))
-    if not wheels:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--quiet", "-d", str(cache), f"sglang=={SGLANG_VERSION}"]
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-        wheels = list(cache.glob(f"sglang-{SGLANG_VERSION}-*.whl"))
-        if done.returncode or not wheels:
-            pytest.skip(f"cannot download the sglang=={SGLANG_VERSION} wheel to read its kernel: {(done.stderr or done.stdout).strip()[-300:]}")
-    with zipfile.ZipFile(wheels[0]) as z:
-        kernel.write_bytes(z.read(KERNEL))
-    wheels[0].unlink()  # 39 MB; the one file is all the tests read
-    return kernel
-
-
 _RUNNER = textwrap.dedent(
     """
     import importlib.util, json, sys
@@ -220,7 +198,7 @@ _RUNNER = textwrap.dedent(
 @pytest.fixture(scope="module")
 def sglang_kernel_results() -> dict:
     pytest.importorskip("triton", reason="Triton runs SGLang's kernel (in its interpreter here)")
-    kernel = _sglang_kernel()
+    kernel = sglang_file("sglang/kernels/ops/memory/gpu_tensor_hash.py")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     done = subprocess.run(
         [sys.executable, "-c", _RUNNER, str(kernel), json.dumps(SIZES)], capture_output=True, text=True, env=env, timeout=900

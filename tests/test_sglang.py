@@ -1,242 +1,356 @@
-"""SGLang's weight checker: the client against a loopback server with simulated ranks.
+"""SGLang's own weight checker, as SGLang 0.5.23 answers it, over real HTTP on loopback.
 
-The request/response shapes are the ones wcviz assumes (see wcviz/sources/_sglang.py and
-docs/engines.md); no real SGLang was available to check them against.
+The server is :class:`wcviz.sim.SimSglang`, written from SGLang 0.5.23's
+``sglang/srt/entrypoints/http_server.py`` (``check_weights``: HTTP 200, or 400 when
+``success`` is false), ``managers/tokenizer_control_mixin.py`` (``ranks``,
+``per_engine_checksum``, messages joined by `` | ``),
+``managers/scheduler_components/weight_updater.py`` (one entry per TP rank, draft keys
+prefixed by role), ``utils/weight_checker.py`` (``per_gpu_checksum``, the compare
+message, the random reset) and ``utils/auth.py`` (``ADMIN_OPTIONAL``). What it answers,
+and what wcviz sends, are validated against SGLang's own wire structs, read out of the
+released wheel (``sglang/srt/managers/io_struct.py``: ``CheckWeightsReqInput``,
+``ChecksumInfo``, ``ParallelismInfo``; ``sglang/srt/utils/weight_checker.py``: the
+strict pydantic ``ParallelismInfo``). No live SGLang was run.
 """
 
 from __future__ import annotations
 
+import ast
+import dataclasses
 import hashlib
-import threading
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+import sys
+import types
 from typing import Any
 
+import httpx
 import pandas as pd
 import pytest
 import torch
-import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from wcviz import digest_hex
 from wcviz._errors import AlgorithmMismatch
-from wcviz.endstate import EngineLeftPoisoned, sglang_endstate
-from wcviz.sim.engine import EngineShard, LoaderFaults
+from wcviz.endstate import EngineLeftPoisoned, SglangFleet, sglang_endstate
+from wcviz.sim import SimSglang
+from wcviz.sim.engine import LoaderFaults
 from wcviz.sim.model import TINY, build_state_dict
-from wcviz.sources import EngineEndpointError, from_named_tensors, from_sglang, sglang_action
+from wcviz.sources import EngineEndpointError, from_named_tensors, from_sglang, sglang_action, sglang_compare_mismatches
 from wcviz.verdicts import compare
 
-SD = build_state_dict(TINY)
+from _wheels import sglang_file
+
+DRAFT = dataclasses.replace(TINY, layers=1, seed=5)
+DOWN = [f"model.layers.{i}.mlp.down_proj.weight" for i in range(TINY.layers)]
 
 
-def checksum(t: torch.Tensor) -> str:
-    """The simulated engine's own checksum (any byte hash will do: it is its own algorithm)."""
-    return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
+# --------------------------------------------------------------------------- SGLang's own structs, from the wheel
 
 
-class SimRank:
-    """One SGLang scheduler rank: its shard, its snapshot, its parallelism_info."""
-
-    def __init__(self, tp: int, pp: int, faults: LoaderFaults | None = None) -> None:
-        self.shard = EngineShard(TINY, tp, 2, pp, 2, faults=faults or LoaderFaults())
-        self.shard.load_weights(SD.items())
-        self.info = {"tp_rank": tp, "pp_rank": pp, "dp_rank": 0, "ep_rank": 0, "tp_size": 2, "pp_size": 2}
-        self.snap: dict[str, torch.Tensor] | None = None
-        self.fail: set[str] = set()
-
-    def handle(self, action: str) -> dict[str, Any]:
-        out: dict[str, Any] = {"parallelism_info": self.info, "success": True}
-        if action in self.fail:
-            return {**out, "success": False, "message": f"{action} exploded"}
-        params = self.shard.params
-        if action == "checksum":
-            out["checksums"] = {n: checksum(t) for n, t in params.items()}
-        elif action == "snapshot":
-            self.snap = {n: t.clone() for n, t in params.items()}
-        elif action == "reset_tensors":
-            g = torch.Generator().manual_seed(7)
-            for t in params.values():
-                t.copy_(torch.randn(t.shape, generator=g).to(t.dtype))
-        elif action == "compare":
-            assert self.snap is not None
-            bad = [n for n, t in params.items() if not torch.equal(t, self.snap[n])]
-            if bad:
-                out.update(success=False, message=f"{len(bad)} tensors differ from the snapshot: {', '.join(bad)}")
-        return out
+def _classes(path: str, names: tuple[str, ...], namespace: dict[str, Any]) -> dict[str, Any]:
+    """The classes ``names`` of a file in the sglang wheel, executed alone in ``namespace`` (no sglang import)."""
+    tree = ast.parse(sglang_file(path).read_text())
+    found = {n.name: n for n in tree.body if isinstance(n, ast.ClassDef) and n.name in names}
+    assert set(found) == set(names), f"{path} lacks {set(names) - set(found)}"
+    module = ast.Module(body=[found[n] for n in names], type_ignores=[])
+    exec(compile(module, path, "exec"), namespace)  # noqa: S102 - SGLang's own class bodies, nothing else
+    return {n: namespace[n] for n in names}
 
 
-def sim_ranks(faults: dict[tuple[int, int], LoaderFaults] | None = None) -> list[SimRank]:
-    faults = faults or {}
-    return [SimRank(tp, pp, faults.get((tp, pp), LoaderFaults())) for pp in range(2) for tp in range(2)]
+@pytest.fixture(scope="module")
+def sglang_structs() -> dict[str, Any]:
+    msgspec = pytest.importorskip("msgspec", reason="SGLang's wire structs are msgspec Structs")
+    from typing import Dict, List, Literal, Optional
+
+    from pydantic import BaseModel, ConfigDict
+
+    types_ = {"msgspec": msgspec, "Optional": Optional, "List": List, "Dict": Dict, "Literal": Literal}
+    module = types.ModuleType("sglang_wire_structs")  # msgspec resolves annotations in the class's module
+    sys.modules[module.__name__] = module
+    base = module.__dict__
+    base.update(types_)
+    exec(  # noqa: S102 - io_struct.BaseReq's fields, without its IPC tagging; unknown fields refused
+        "class BaseReq(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):\n"
+        "    rid: Optional[str] = None\n    http_worker_ipc: Optional[str] = None\n",
+        base,
+    )
+    wire = _classes("sglang/srt/managers/io_struct.py", ("CheckWeightsReqInput", "ParallelismInfo", "ChecksumInfo"), base)
+    types_ = dict(types_)
+    strict = _classes("sglang/srt/utils/weight_checker.py", ("_StrictBaseModel", "ParallelismInfo"), {**types_, "BaseModel": BaseModel, "ConfigDict": ConfigDict})
+    return {**wire, "StrictParallelismInfo": strict["ParallelismInfo"], "msgspec": msgspec}
 
 
-def reload_all(ranks: list[SimRank]) -> None:
-    for r in ranks:
-        r.shard.load_weights(SD.items())
+def _validate(structs: dict[str, Any], sim: SimSglang, answer: dict[str, Any]) -> None:
+    """Every request the server got is a CheckWeightsReqInput; every rank entry a ChecksumInfo."""
+    msgspec = structs["msgspec"]
+    for req in sim.requests:
+        msgspec.convert(req["body"], structs["CheckWeightsReqInput"])
+    for entry in answer.get("ranks", []):
+        msgspec.convert(entry, structs["ChecksumInfo"])
+        infos = entry["parallelism_info"]
+        for info in infos if isinstance(infos, list) else [infos]:
+            structs["StrictParallelismInfo"].model_validate(info)
 
 
-def weights_checker_app(ranks: list[SimRank], hide: dict[str, set[int]] | None = None, extra: list[Any] | None = None) -> Starlette:
-    """``POST /weights_checker {"action"}`` -> ``{"success", "message", "results": [per rank]}``, in a
-    shuffled order each call; ``hide[action]`` drops those ranks' results; ``extra`` adds results."""
-    calls = {"n": 0}
-
-    async def checker(request: Request) -> JSONResponse:
-        action = (await request.json()).get("action")
-        if action not in ("checksum", "snapshot", "reset_tensors", "compare"):
-            return JSONResponse({"success": False, "message": f"unknown action {action}"}, status_code=400)
-        calls["n"] += 1
-        hidden = (hide or {}).get(action, set())
-        results = [r.handle(action) for i, r in enumerate(ranks) if i not in hidden] + list(extra or [])
-        k = calls["n"] % len(results)
-        results = results[k:] + results[:k]
-        return JSONResponse({"success": all(r.get("success", False) for r in results if isinstance(r, dict)), "message": "", "results": results})
-
-    return Starlette(routes=[Route("/weights_checker", checker, methods=["POST"])])
+def _raw(url: str, body: dict[str, Any], token: str | None = None) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    return httpx.post(f"{url}/weights_checker", json=body, headers=headers, timeout=30)
 
 
-@contextmanager
-def serve(app: Any) -> Iterator[str]:
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "loopback server did not start"
-        time.sleep(0.01)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
+def test_the_fake_answers_as_sglangs_own_structs_say(sglang_structs: dict[str, Any]) -> None:
+    sim = SimSglang(TINY, tp=2, pp=2, draft=DRAFT)
+    with sim as url:
+        answer = _raw(url, {"action": "checksum"}).json()
+        res = from_sglang(url)  # what wcviz sends is a valid request too
+        legacy = SimSglang(TINY, tp=2, legacy_info=True)
+        with legacy as url2:
+            old = _raw(url2, {"action": "checksum"}).json()
+    _validate(sglang_structs, sim, answer)
+    msgspec = sglang_structs["msgspec"]
+    assert answer["success"] is True and answer["message"] == "Success."
+    assert len(answer["ranks"]) == 2  # one per TP rank of pipeline stage 0
+    assert [i["role"] for i in answer["ranks"][0]["parallelism_info"]] == ["target", "draft"]
+    with pytest.raises(msgspec.ValidationError):  # the older single-dict form is not today's wire shape ...
+        msgspec.convert(old["ranks"][0], sglang_structs["ChecksumInfo"])
+    sglang_structs["StrictParallelismInfo"].model_validate(old["ranks"][0]["parallelism_info"])  # ... but each dict is
+    assert res.answered == 2 and len(res.frame) and not res.complete  # pp 1 never answers
 
 
-def expected(ranks: list[SimRank], phase: str = "current") -> pd.DataFrame:
-    rows = [
-        {"name": n, "digest": checksum(t), "algo": "sglang", "role": "engine", "dp": 0, "pp": r.info["pp_rank"], "tp": r.info["tp_rank"], "ep": 0, "phase": phase}
-        for r in ranks
-        for n, t in r.shard.params.items()
-    ]
-    return _norm(pd.DataFrame(rows))
-
-
-def _norm(df: pd.DataFrame) -> pd.DataFrame:
-    from wcviz.frame import validate
-
-    out = validate(df).drop(columns=["url"], errors="ignore")
-    return out.sort_values(["pp", "tp", "name"]).reset_index(drop=True)
-
-
-def test_checksums_become_a_table_keyed_by_parallelism_info() -> None:
-    ranks = sim_ranks()
-    with serve(weights_checker_app(ranks)) as url:
+def test_checksums_become_one_row_per_rank_and_parameter_roles_apart() -> None:
+    sim = SimSglang(TINY, tp=2, draft=DRAFT)
+    with sim as url:
         res = from_sglang(url, phase="snapshot")
-    assert res.complete and res.answered == 4, res.summary
-    pd.testing.assert_frame_equal(_norm(res.frame), expected(ranks, "snapshot"))
-    assert res.urls == tuple(f"{url} dp=0 pp={pp} tp={tp} ep=0" for pp in range(2) for tp in range(2))
-    assert res.frame["rank"].isna().all() and res.frame["dtype"].isna().all()
-    assert res.infos[f"{url} dp=0 pp=1 tp=0 ep=0"]["tp_size"] == 2
+    assert res.complete, res.summary
+    assert set(res.frame["algo"]) == {"sglang-gpu"} and set(res.frame["phase"]) == {"snapshot"}
+    assert set(res.frame["role"]) == {"engine"}
+    for tp, rows in res.frame.groupby("tp"):
+        want = {n: str(digest_hex(t, algo="sglang-gpu")) for n, t in sim.shards[(0, 0, tp)].params.items()}
+        want |= {f"draft.{n}": str(digest_hex(t, algo="sglang-gpu")) for n, t in sim.drafts[(0, 0, tp)].params.items()}
+        assert dict(zip(rows["name"], rows["digest"])) == want  # the draft under SGLang's own keys, apart from the target
+        assert set(rows["rank"]) == {tp} and set(rows["dp"]) == {0} and set(rows["pp"]) == {0}
+    assert res.frame["dtype"].isna().all() and res.frame["ep"].isna().all()
+    assert res.urls == (f"{url} dp=0 pp=0 tp=0", f"{url} dp=0 pp=0 tp=1")
+    assert res.infos[f"{url} dp=0 pp=0 tp=1"]["roles"] == ["target", "draft"]
 
 
-def test_name_filter_and_global_rank_when_given() -> None:
-    ranks = sim_ranks()
-    for i, r in enumerate(ranks):
-        r.info = {**r.info, "rank": i}
-    with serve(weights_checker_app(ranks)) as url:
-        res = from_sglang(url, name=r"norm")
-    assert res.complete and set(res.frame["rank"]) == {0, 1, 2, 3}
-    assert res.frame["name"].str.contains("norm").all() and len(res.frame)
-    assert res.urls[0] == f"{url} rank 0"
+def test_legacy_parallelism_info_and_selector() -> None:
+    sim = SimSglang(TINY, tp=2, legacy_info=True)
+    with sim as url:
+        res = from_sglang(url, selector="target", skip=["layernorm"])
+    assert res.complete and not res.frame["name"].str.startswith("draft.").any()
+    assert not res.frame["name"].str.contains("layernorm").any()
+    body = sim.requests[-1]["body"]
+    assert body == {"action": "checksum", "allow_quant_error": False, "skip_tensor_list": ["layernorm"], "selector": "target"}
+    cpu = SimSglang(TINY, tp=1, device="cpu")
+    with cpu as url:
+        res = from_sglang(url, algo="sglang-cpu")
+    t = cpu.shards[(0, 0, 0)].params["model.norm.weight"]
+    got = res.frame.set_index("name").loc["model.norm.weight", "digest"]
+    assert got == str(digest_hex(t, algo="sglang-cpu"))
 
 
-def test_failing_and_malformed_ranks_are_reported_not_dropped() -> None:
-    ranks = sim_ranks()
-    ranks[3].fail = {"checksum"}
-    extra = [{"checksums": {"x": "ab"}}, {"parallelism_info": {"tp_rank": 5, "pp_rank": 0}, "checksums": {"x": "not-hex"}}]
-    with serve(weights_checker_app(ranks, extra=extra)) as url:
+def test_later_pipeline_stages_are_listed_as_not_reported() -> None:
+    sim = SimSglang(TINY, tp=2, pp=2)
+    with sim as url:
         res = from_sglang(url)
-    assert res.answered == 3 and not res.complete
-    pd.testing.assert_frame_equal(_norm(res.frame), expected(ranks[:3]))
-    f = res.failed
-    assert list(zip(f["pp"], f["tp"])) == [(1, 1), (0, 5), (pd.NA, pd.NA)]  # by identity; unknown coordinates last
-    assert "checksum failed on this rank: checksum exploded" in f["error"].iloc[0]
-    assert "not hex" in f["error"].iloc[1] and "without parallelism_info" in f["error"].iloc[2]
+    assert res.answered == 2 and not res.complete
+    assert list(zip(res.failed["pp"], res.failed["tp"])) == [(1, 0), (1, 1)]
+    assert set(res.failed["kind"]) == {"unreachable"}
+    assert all("pipeline stage 0 only" in e for e in res.failed["error"])
 
 
-def test_missing_endpoint_is_a_clear_error_and_a_down_server_is_reported() -> None:
-    with serve(Starlette(routes=[])) as url:
-        with pytest.raises(EngineEndpointError, match="no weight checker") as err:
+def test_data_parallel_schedulers_and_a_failing_one() -> None:
+    sim = SimSglang(TINY, tp=2, dp=2, failing=[1])
+    with sim as url:
+        raw = _raw(url, {"action": "checksum"})
+        res = from_sglang(url)
+    assert raw.status_code == 400 and raw.json()["success"] is False and len(raw.json()["ranks"]) == 2
+    assert raw.json()["message"] == "Success. | check_weights failed on DP rank 1"
+    assert res.answered == 2 and not res.complete and set(res.frame["dp"]) == {0}
+    assert list(res.failed["url"]) == [url] and "check_weights failed on DP rank 1" in res.failed["error"].iloc[0]
+    sim.failing = set()
+    with sim as url:
+        res = from_sglang(url)
+    assert res.complete and set(res.frame["dp"]) == {0, 1} and res.answered == 4
+
+
+def test_admin_key_is_sent_as_a_bearer_token_and_a_refusal_is_clear() -> None:
+    sim = SimSglang(TINY, admin_api_key="admin-secret", api_key="user-key")
+    with sim as url:
+        with pytest.raises(EngineEndpointError, match="pass token=") as err:
             from_sglang(url)
-        assert err.value.kind == "missing"
-    res = from_sglang(url, timeout_s=2)  # the server has stopped
-    assert list(res.failed["kind"]) == ["unreachable"] and not res.complete
+        assert err.value.kind == "refused"
+        with pytest.raises(EngineEndpointError, match="not the engine's key"):
+            from_sglang(url, token="user-key")  # with both keys set, only the admin key opens the route
+        assert from_sglang(url, token="admin-secret").complete
+        assert sim.requests[-1]["headers"]["authorization"] == "Bearer admin-secret"
+        assert _raw(url, {"action": "checksum"}).json() == {"error": "Unauthorized"}
+
+
+def test_an_altered_answer_is_refused_rank_by_rank() -> None:
+    sim = SimSglang(TINY, tp=2)
+    with sim as real:
+        good = _raw(real, {"action": "checksum"}).json()
+
+    async def tampered(request: Request) -> JSONResponse:
+        body = {**good, "ranks": [dict(r) for r in good["ranks"]]}
+        body["ranks"][1]["checksums"] = {**body["ranks"][1]["checksums"], "model.norm.weight": "0" * 16}
+        return JSONResponse(body)
+
+    from wcviz._serving import serve_in_thread, stop_server
+
+    server, thread, url = serve_in_thread(Starlette(routes=[Route("/weights_checker", tampered, methods=["POST"])]), "127.0.0.1", 0, name="tampered")
+    try:
+        res = from_sglang(url)
+    finally:
+        stop_server(server, thread, "tampered")
+    assert res.answered == 1 and not res.complete
+    errors = " ".join(res.failed["error"])
+    assert "per_gpu_checksum is not the sha256 of its checksums" in errors
+    assert f"{url} ranks[1]" in set(res.failed["url"])
+
+
+def test_actions_are_acknowledged_engine_wide_and_compare_names_what_differs() -> None:
+    sim = SimSglang(TINY, tp=2)
+    with sim as url:
+        first = sglang_action(url, "compare")
+        assert not first.complete and "no snapshot was taken" in first.errors[url]
+        snap = sglang_action(url, "snapshot")
+        assert snap.complete and snap.urls == (url,) and snap.answers[url]["message"] == "Success."
+        before = {n: t.clone() for n, t in sim.shards[(0, 0, 1)].params.items()}
+        reset = sglang_action(url, "reset_tensors")
+        assert reset.complete  # 200 without payload: done, on every rank
+        assert all(not torch.equal(before[n], t) for n, t in sim.shards[(0, 0, 1)].params.items())
+        sim.shards[(0, 0, 1)].faults = LoaderFaults(skip=r"down_proj")
+        sim.load()
+        cmp = sglang_action(url, "compare")
+    assert not cmp.complete and cmp.errors[url].startswith("compare failed: check tensor equality failed")
+    assert sorted(sglang_compare_mismatches(cmp.errors[url])) == DOWN
     with pytest.raises(ValueError, match="choose snapshot, reset_tensors or compare"):
         sglang_action(url, "checksum")
 
 
+def test_missing_endpoint_and_a_server_that_is_down() -> None:
+    from wcviz._serving import serve_in_thread, stop_server
+
+    server, thread, url = serve_in_thread(Starlette(routes=[]), "127.0.0.1", 0, name="no checker")
+    try:
+        with pytest.raises(EngineEndpointError, match="no /weights_checker") as err:
+            from_sglang(url)
+        assert err.value.kind == "missing"
+    finally:
+        stop_server(server, thread, "no checker")
+    res = from_sglang(url, timeout_s=2)  # nothing listens there now
+    assert list(res.failed["kind"]) == ["unreachable"] and not res.complete
+    act = sglang_action(url, "snapshot", timeout_s=2)
+    assert act.unreachable == {url} and not act.complete
+
+
 def test_sglang_checksums_are_never_compared_with_nemo_digests() -> None:
-    ranks = sim_ranks()
-    with serve(weights_checker_app(ranks)) as url:
+    sim = SimSglang(TINY, tp=1)
+    with sim as url:
         res = from_sglang(url)
-    r = ranks[0]
-    ours = from_named_tensors(r.shard.params, role="engine", dp=0, pp=0, tp=0, ep=0)
+    ours = from_named_tensors(sim.shards[(0, 0, 0)].params, role="engine", rank=0, dp=0, pp=0, tp=0)
     with pytest.raises(AlgorithmMismatch):
-        compare(ours, res.frame[(res.frame["pp"] == 0) & (res.frame["tp"] == 0)])
+        compare(ours, res.frame)
+
+
+# --------------------------------------------------------------------------- the end-state check through SGLang's checker
 
 
 def test_endstate_finds_the_rank_whose_reload_skipped_a_weight() -> None:
-    ranks = sim_ranks({(1, 0): LoaderFaults(skip=r"down_proj")})
-    with serve(weights_checker_app(ranks)) as url:
-        result = sglang_endstate(url, lambda: reload_all(ranks))
+    sim = SimSglang(TINY, tp=2)
+
+    def reload() -> None:
+        sim.shards[(0, 0, 1)].faults = LoaderFaults(skip=r"down_proj")
+        sim.load()
+
+    with sim as url:
+        result = sglang_endstate(url, reload)
     v = result.verdicts
     # SGLang's reset writes random values: no reset digest proves a whole parameter was overwritten,
     # so what reloads equal to its snapshot is "unproven", never "match"; the unwritten ones still stand out
-    assert "match" not in set(v["status"]) and set(v["status"]) == {"unwritten", "unproven"}
+    assert set(v["status"]) == {"unwritten", "unproven"}
     bad = v[v["status"] == "unwritten"]
     assert set(zip(bad["pp"], bad["tp"])) == {(0, 1)}
-    assert sorted(bad["name"]) == ["model.layers.0.mlp.down_proj.weight", "model.layers.1.mlp.down_proj.weight"]
-    assert (v["algo"] == "sglang").all() and len(result.unreachable) == 0
-    assert set(result.fetches) == {"snapshot", "reset", "reload"}
-    assert result.compare is not None and list(result.compare.errors) == [f"{url} dp=0 pp=0 tp=1 ep=0"]
-    assert "2 tensors differ" in result.compare.errors[f"{url} dp=0 pp=0 tp=1 ep=0"]
-    assert "2 unwritten on 1 rank (dp=0 pp=0 tp=1 ep=0)" in result.summary
-    assert "SGLang's compare: compare: 3 of 4 ranks acknowledged" in result.summary
+    assert sorted(bad["name"]) == DOWN
+    assert (v["algo"] == "sglang-gpu").all() and len(result.unreachable) == 0
+    assert result.compare is not None and "model.layers.0.mlp.down_proj.weight" in result.compare.errors[url]
+    assert "SGLang's own compare: FAILED" in result.summary
+    assert any("keeps its snapshot" in n for n in result.notes)
+    assert [r["body"]["action"] for r in sim.requests] == ["snapshot", "checksum", "reset_tensors", "checksum", "checksum", "compare"]
 
 
-def test_endstate_rank_missing_after_reload_is_unreachable() -> None:
-    ranks = sim_ranks()
-    state = {"reloaded": False}
-    hide: dict[str, set[int]] = {}
+def test_endstate_clean_reload_compare_passes_and_frees_the_snapshot() -> None:
+    sim = SimSglang(TINY, tp=2, draft=DRAFT)
+    with sim as url:
+        result = sglang_endstate(url, lambda: (sim.load(), sim.load_draft()))
+    assert set(result.verdicts["status"]) == {"unproven"} and not result.ok
+    assert result.compare is not None and result.compare.complete and "compare: passed" in result.summary
+    assert sim.snapshots == {} and not result.notes
+    assert result.frames["reload"]["name"].str.startswith("draft.").any()
+
+
+def test_endstate_a_scheduler_that_stops_answering_is_unreachable() -> None:
+    sim = SimSglang(TINY, tp=1, dp=2)
 
     def reload() -> None:
-        reload_all(ranks)
-        hide["checksum"] = {2}  # from now on rank (pp=1, tp=0) no longer answers checksum
-        state["reloaded"] = True
+        sim.load()
+        sim.failing = {1}  # DP scheduler 1 fails every request from now on
 
-    with serve(weights_checker_app(ranks, hide=hide)) as url:
+    with sim as url:
         result = sglang_endstate(url, reload, compare=False)
-    assert state["reloaded"] and result.compare is None
     v = result.verdicts
-    assert set(zip(v.loc[v["status"] == "unreachable", "pp"], v.loc[v["status"] == "unreachable", "tp"])) == {(1, 0)}
-    assert (v.loc[v["status"] != "unreachable", "status"] == "unproven").all()  # random reset: nothing proven
-    assert list(zip(result.unreachable["pp"], result.unreachable["tp"])) == [(1, 0)]
+    gone = v[v["status"] == "unreachable"]
+    assert set(gone["dp"]) == {1} and len(result.unreachable) == 1
+    assert (v.loc[v["status"] != "unreachable", "status"] == "unproven").all()
 
 
 def test_endstate_reset_failure_reloads_then_raises_and_failed_reload_says_poisoned() -> None:
-    ranks = sim_ranks()
-    ranks[1].fail = {"reset_tensors"}
+    sim = SimSglang(TINY, tp=1, dp=2)
     reloads = []
-    with serve(weights_checker_app(ranks)) as url:
+
+    def fail_reset() -> None:
+        reloads.append(1)
+
+    with sim as url:
+        original = sim._handle
+
+        def broken_reset(action: str, *a: Any) -> Any:
+            if action == "reset_tensors" and a[-1][0] == 1:
+                raise RuntimeError("cuda error on DP rank 1")
+            return original(action, *a)
+
+        sim._handle = broken_reset  # type: ignore[method-assign]
         with pytest.raises(EngineEndpointError, match="reset_tensors did not complete"):
-            sglang_endstate(url, lambda: reloads.append(1))
-        assert reloads == [1]
-        ranks[1].fail = set()
+            sglang_endstate(url, fail_reset)
+        assert reloads == [1]  # the reload ran before the error was raised
+        sim._handle = original  # type: ignore[method-assign]
 
         def broken() -> None:
             raise RuntimeError("trainer gone")
 
         with pytest.raises(EngineLeftPoisoned, match="trainer gone"):
             sglang_endstate(url, broken)
+
+
+def test_the_fleet_refuses_mutations_unless_allowed() -> None:
+    fleet = SglangFleet("http://127.0.0.1:1", None, allow_mutations=False)
+    assert "allow_mutations=True" in (fleet.mutation_block() or "")
+    fleet = SglangFleet("http://127.0.0.1:1", None)
+    assert "no reload given" in (fleet.mutation_block() or "")
+    assert SglangFleet("http://127.0.0.1:1", lambda: None).mutation_block() is None
+
+
+def test_per_engine_checksum_is_sglangs() -> None:
+    sim = SimSglang(TINY, tp=2, dp=2)
+    with sim as url:
+        body = _raw(url, {"action": "checksum"}).json()
+    h = hashlib.sha256()
+    for entry in body["ranks"]:
+        h.update(entry["per_gpu_checksum"].encode())
+    assert body["per_engine_checksum"] == h.hexdigest()
+    assert pd.Series([e["parallelism_info"][0]["dp_rank"] for e in body["ranks"]]).tolist() == [0, 0, 1, 1]
+    assert build_state_dict(TINY)  # the weights every rank loaded

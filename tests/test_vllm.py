@@ -249,6 +249,25 @@ def test_a_worker_collective_rpc_never_reached_is_reported_from_world_size() -> 
     assert "world_size is 4 but collective_rpc reached 3" in row["error"]
 
 
+def test_dense_data_parallel_reports_every_replica_collective_rpc_does_not_reach() -> None:
+    """vLLM 0.33 (v1/engine/core_client.py): /collective_rpc answers with DP engine 0's workers only.
+
+    Two dense replicas of TP 2 x PP 2: engine 0's four workers answer (data_parallel_index 0)
+    and say the world across DP is 8 ranks of 2 replicas; the result must not be complete,
+    and replica 1's ranks 4..7 are named with dp=1 and the reason.
+    """
+    ws = workers()
+    for w in ws:
+        w.world_size, w.dp_size = 8, 2  # what the extension reads from parallel_config on a real worker
+    with serve(collective_rpc_app(ws)) as url:
+        res = from_vllm_http(url)
+    assert res.answered == 4 and not res.complete
+    missing = res.failed.sort_values("rank")
+    assert list(missing["rank"]) == [4, 5, 6, 7] and set(missing["dp"]) == {1}
+    assert set(missing["kind"]) == {"unreachable"}
+    assert all("DP engine 0's workers only" in e and "from_vllm_weight_checker" in e for e in missing["error"])
+
+
 def test_duplicate_rank_claims_fail_both() -> None:
     ws = workers()
     ws[3].rank = 2
@@ -360,7 +379,7 @@ def test_reset_bytes_and_refusals() -> None:
 
 def test_coords_explicit_then_vllm_then_attributes(monkeypatch: pytest.MonkeyPatch) -> None:
     w = SimWorker(3)
-    assert worker_coords(w) == ({"rank": 3, "dp": 0, "pp": 1, "tp": 1, "ep": None, "world_size": 4}, "attributes")
+    assert worker_coords(w) == ({"rank": 3, "dp": 0, "pp": 1, "tp": 1, "ep": None, "world_size": 4, "dp_size": None}, "attributes")
 
     group = lambda r: types.SimpleNamespace(rank_in_group=r)
     ps = types.ModuleType("vllm.distributed.parallel_state")
@@ -369,9 +388,16 @@ def test_coords_explicit_then_vllm_then_attributes(monkeypatch: pytest.MonkeyPat
     ps.get_dp_group = lambda: group(2)  # type: ignore[attr-defined]
     ps.get_ep_group = lambda: group(5)  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "vllm.distributed.parallel_state", ps)
-    assert worker_coords(w) == ({"rank": 3, "dp": 2, "pp": 0, "tp": 1, "ep": None, "world_size": None}, "vllm")  # ep: expert parallel only
+    assert worker_coords(w) == ({"rank": 3, "dp": 2, "pp": 0, "tp": 1, "ep": None, "world_size": None, "dp_size": None}, "vllm")  # ep: expert parallel only
     w.vllm_config = types.SimpleNamespace(parallel_config=types.SimpleNamespace(enable_expert_parallel=True, data_parallel_rank=2))
     assert worker_coords(w)[0]["ep"] == 5
+    # vLLM 0.33 dense DP (config/parallel.py, v1/worker/gpu_worker.py): data_parallel_rank is 0 on every replica and
+    # the DP group has one member; data_parallel_index tells replicas apart; ranks number across DP.
+    ps.get_dp_group = lambda: group(0)  # type: ignore[attr-defined]
+    w.vllm_config = types.SimpleNamespace(parallel_config=types.SimpleNamespace(
+        data_parallel_rank=0, data_parallel_index=1, data_parallel_size=2, world_size=4, world_size_across_dp=8,
+    ))  # fmt: skip
+    assert worker_coords(w) == ({"rank": 7, "dp": 1, "pp": 0, "tp": 1, "ep": None, "world_size": 8, "dp_size": 2}, "vllm")
 
     def not_initialised() -> int:
         raise AssertionError("tensor model parallel group is not initialized")
@@ -379,7 +405,7 @@ def test_coords_explicit_then_vllm_then_attributes(monkeypatch: pytest.MonkeyPat
     ps.get_tensor_model_parallel_rank = not_initialised  # type: ignore[attr-defined]
     assert worker_coords(w)[1] == "attributes"
     w.wcviz_coords = {"rank": 7, "tp": 0}
-    assert worker_coords(w) == ({"rank": 7, "dp": None, "pp": None, "tp": 0, "ep": None, "world_size": None}, "wcviz_coords")
+    assert worker_coords(w) == ({"rank": 7, "dp": None, "pp": None, "tp": 0, "ep": None, "world_size": None, "dp_size": None}, "wcviz_coords")
     w.wcviz_coords = {"rank": 7, "tensor": 0}
     with pytest.raises(ValueError, match="unknown key"):
         worker_coords(w)

@@ -1,4 +1,8 @@
-"""The agent's HTTP connections, bounded: a cap on open connections and a deadline for request headers.
+"""Serving on a background thread, and the agent's HTTP connections bounded: a connection cap and a header deadline.
+
+:func:`serve_in_thread` / :func:`stop_server` run any ASGI app (an agent, the simulated
+engines' checkers) on its own event loop in a daemon thread. The rest of this module is
+the agent's guard:
 
 uvicorn (checked against 0.54's ``uvicorn.protocols.http.h11_impl.H11Protocol``;
 the attributes used here - ``connections``, ``cycle``, ``transport``, ``loop`` and
@@ -19,9 +23,64 @@ So a client that sends a request promptly is served even while others hold the r
 
 from __future__ import annotations
 
+import asyncio
+import threading
+import time
 from typing import Any
 
-__all__ = ["guarded_protocol"]
+__all__ = ["guarded_protocol", "serve_in_thread", "stop_server"]
+
+
+def serve_in_thread(
+    app: Any, host: str, port: int, *, name: str, timeout_s: float = 10.0, **config: Any
+) -> tuple[Any, threading.Thread, str]:
+    """``(server, thread, base URL)`` once ``app`` accepts connections on ``host:port`` (0: any free port).
+
+    ``config``: more ``uvicorn.Config`` options. Raises RuntimeError naming ``name`` when
+    the server cannot bind or does not start within ``timeout_s``.
+    """
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off", **config))
+    failure: list[BaseException] = []
+
+    def serve() -> None:
+        # A fresh loop in this thread; uvicorn installs signal handlers only on the main thread.
+        loop = asyncio.new_event_loop()
+        try:
+            loop.run_until_complete(server.serve())
+        except BaseException as e:  # noqa: BLE001 - includes uvicorn's SystemExit on bind failure
+            failure.append(e)
+        finally:
+            loop.run_until_complete(loop.shutdown_default_executor())
+            loop.close()
+
+    thread = threading.Thread(target=serve, name=name, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout_s
+    while not server.started:
+        if not thread.is_alive():
+            why = f"{type(failure[0]).__name__}: {failure[0]}" if failure else "server thread exited"
+            raise RuntimeError(f"{name} failed to start on {host}:{port} ({why})")
+        if time.monotonic() > deadline:
+            server.should_exit = True
+            thread.join(timeout=5)
+            raise RuntimeError(f"{name} did not start on {host}:{port} within {timeout_s} s")
+        time.sleep(0.01)
+    bound = server.servers[0].sockets[0].getsockname()
+    shown = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
+    return server, thread, f"http://{shown}:{bound[1]}"
+
+
+def stop_server(server: Any, thread: threading.Thread, what: str, timeout_s: float = 10.0) -> None:
+    """Shut a server from :func:`serve_in_thread` down and join its thread (forcing it after ``timeout_s``)."""
+    server.should_exit = True
+    thread.join(timeout=timeout_s)
+    if thread.is_alive():
+        server.force_exit = True
+        thread.join(timeout=timeout_s)
+        if thread.is_alive():
+            raise RuntimeError(f"{what} did not stop within {2 * timeout_s} s")
 
 
 def guarded_protocol(max_connections: int, header_timeout_s: float) -> type[Any]:

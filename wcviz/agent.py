@@ -43,7 +43,6 @@ import hmac
 import ipaddress
 import socket
 import threading
-import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -352,48 +351,16 @@ class Agent:
 
     def start(self, host: str = "127.0.0.1", port: int = 0, *, timeout_s: float = 10.0) -> str:
         """Serve in a background daemon thread; return the base URL once it accepts connections."""
-        import uvicorn
-
         if self._thread is not None:
             raise RuntimeError(f"agent already running at {self.url}")
-        from wcviz._serving import guarded_protocol
+        from wcviz._serving import guarded_protocol, serve_in_thread
 
-        config = uvicorn.Config(
-            self.app, host=host, port=port, log_level="warning", lifespan="off",
-            http=guarded_protocol(self.max_connections, self.header_timeout_s),
-            timeout_keep_alive=int(IDLE_TIMEOUT_S),
+        server, thread, url = serve_in_thread(
+            self.app, host, port, name=f"agent for {self.role} rank {self.rank}", timeout_s=timeout_s,
+            http=guarded_protocol(self.max_connections, self.header_timeout_s), timeout_keep_alive=int(IDLE_TIMEOUT_S),
         )  # fmt: skip
-        server = uvicorn.Server(config)
-        failure: list[BaseException] = []
-
-        def serve() -> None:
-            # A fresh loop in this thread; uvicorn installs signal handlers only on the main thread.
-            loop = asyncio.new_event_loop()
-            try:
-                loop.run_until_complete(server.serve())
-            except BaseException as e:  # noqa: BLE001 - includes uvicorn's SystemExit on bind failure
-                failure.append(e)
-            finally:
-                loop.run_until_complete(loop.shutdown_default_executor())
-                loop.close()
-
-        thread = threading.Thread(target=serve, name=f"wcviz-agent-{self.role}-{self.rank}", daemon=True)
-        thread.start()
-        deadline = time.monotonic() + timeout_s
-        while not server.started:
-            if not thread.is_alive():
-                why = f"{type(failure[0]).__name__}: {failure[0]}" if failure else "server thread exited"
-                raise RuntimeError(f"agent for {self.role} rank {self.rank} failed to start on {host}:{port} ({why})")
-            if time.monotonic() > deadline:
-                server.should_exit = True
-                thread.join(timeout=5)
-                raise RuntimeError(f"agent for {self.role} rank {self.rank} did not start on {host}:{port} within {timeout_s} s")
-            time.sleep(0.01)
-        bound = server.servers[0].sockets[0].getsockname()
-        shown = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
-        self._server, self._thread = server, thread
-        self.url = f"http://{shown}:{bound[1]}"
-        self._served_hosts = self._hosts_for(str(bound[0]), host)
+        self._server, self._thread, self.url = server, thread, url
+        self._served_hosts = self._hosts_for(str(server.servers[0].sockets[0].getsockname()[0]), host)
         return self.url
 
     def _hosts_for(self, bound: str, asked: str) -> frozenset[str]:
@@ -412,13 +379,9 @@ class Agent:
         server, thread = self._server, self._thread
         if server is None or thread is None:
             return
-        server.should_exit = True
-        thread.join(timeout=timeout_s)
-        if thread.is_alive():
-            server.force_exit = True
-            thread.join(timeout=timeout_s)
-            if thread.is_alive():
-                raise RuntimeError(f"agent at {self.url} did not stop within {2 * timeout_s} s")
+        from wcviz._serving import stop_server
+
+        stop_server(server, thread, f"agent at {self.url}", timeout_s)
         self._server = self._thread = None
         self.url = None
         self._served_hosts = None

@@ -1,7 +1,9 @@
-"""The ``wcviz`` command: digest checkpoints, compare tables, fetch agents, run the end-state check.
+"""The ``wcviz`` command: digest checkpoints, compare tables, fetch agents, verify an engine, run the end-state check.
 
 ``digest`` and ``compare`` work on files; ``fetch`` and ``endstate`` on running
-agents (``endstate`` is destructive and asks for ``--yes-reset``); ``demo`` runs the
+agents (``endstate`` is destructive and asks for ``--yes-reset``); ``verify`` compares
+a running vLLM or SGLang with a checkpoint through the engine's own checker, read-only;
+``demo`` runs the
 simulated-cluster demo. Exit status: 0 all match (every rank answered), 1 something
 differs or a rank did not answer, 2 bad input (a clear one-line error naming the
 file, tensor, column or flag; never a traceback).
@@ -52,6 +54,30 @@ def _parser() -> argparse.ArgumentParser:
     f.add_argument("--name", metavar="REGEX", help="only parameters whose name matches")
     f.add_argument("--timeout", type=float, default=10.0, metavar="S", help="per-request timeout in seconds (default 10)")
     f.add_argument("--retries", type=int, default=2, help="retries per request on connection errors and 5xx (default 2)")
+
+    v = sub.add_parser(
+        "verify",
+        help="read-only: does a running vLLM or SGLang hold what a checkpoint says each rank must? exit 1 if not",
+        description="Cut the checkpoint as the engine lays it out for the topology, digest each rank's expected shard "
+        "in the engine's own checksum, ask the engine's own checker (vLLM: /weight_checker with VLLM_SERVER_DEV_MODE=1; "
+        "SGLang: /weights_checker) and compare. Nothing is reset; nothing is installed in the engine.",
+    )
+    v.add_argument("url", metavar="URL", help="the engine's HTTP server (http://host:port)")
+    v.add_argument("--checkpoint", required=True, metavar="DIR", help="the trainer's safetensors checkpoint (file or directory, with config.json)")
+    v.add_argument("--tp", type=int, required=True, help="tensor-parallel size the engine runs with")
+    v.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (default 1)")
+    v.add_argument("--dp", type=int, default=1, help="data-parallel replicas (default 1)")
+    v.add_argument("--ep", type=int, default=1, help="expert-parallel size: 1, or tp*dp with --enable-expert-parallel (default 1)")
+    v.add_argument("--family", help="model family (llama, mistral, qwen2, mixtral; default: config.json's model_type)")
+    v.add_argument("--engine", choices=("auto", "vllm", "sglang"), default="auto", help="which engine (default: ask the server)")
+    v.add_argument("--heads", type=int, help="attention heads (default: config.json)")
+    v.add_argument("--kv-heads", type=int, help="key/value heads (default: config.json)")
+    v.add_argument("--dtype", default="auto", help="the dtype the engine serves (default auto: config.json's, float32 served as bfloat16)")
+    v.add_argument("--vocab-padding", type=int, default=64, help="vocabulary padding (vLLM's DEFAULT_VOCAB_PADDING_SIZE, 64)")
+    v.add_argument("--token", help="the engine's API key, sent as a bearer token (SGLang: the admin key; default $WCVIZ_ENGINE_TOKEN)")
+    v.add_argument("--timeout", type=float, default=120.0, metavar="S", help="per-request timeout in seconds (default 120)")
+    v.add_argument("--out", metavar="FILE", help="also write the verdict table here (.csv/.parquet/.json)")
+    v.add_argument("--all", action="store_true", help="list matching rows too")
 
     e = sub.add_parser(
         "endstate",
@@ -201,6 +227,24 @@ def _endstate(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+def _verify(args: argparse.Namespace) -> int:
+    from wcviz.live import verify_engine
+
+    report = verify_engine(
+        args.url, args.checkpoint, tp=args.tp, pp=args.pp, dp=args.dp, ep=args.ep, family=args.family, engine=args.engine,
+        heads=args.heads, kv_heads=args.kv_heads, dtype=args.dtype, vocab_padding=args.vocab_padding,
+        token=args.token or os.environ.get("WCVIZ_ENGINE_TOKEN"), timeout_s=args.timeout,
+    )  # fmt: skip
+    if args.out:
+        _write_verdicts(report.verdicts, args.out)
+    shown = report.verdicts if args.all else report.verdicts[report.verdicts["status"] != "match"]
+    if len(shown):
+        cols = [c for c in ("dp", "pp", "tp", "name", "status", "digest_expected", "digest_actual") if c in shown]
+        print(shown[cols].to_string(index=False, max_rows=200))
+    print(report.summary)
+    return 0 if report.ok else 1
+
+
 def _bench(args: argparse.Namespace) -> int:
     import pandas as pd
 
@@ -235,7 +279,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return demo(argv[1:])
     args = _parser().parse_args(argv)
-    commands = {"digest": _digest, "compare": _compare, "fetch": _fetch, "endstate": _endstate, "bench": _bench}
+    commands = {"digest": _digest, "compare": _compare, "fetch": _fetch, "verify": _verify, "endstate": _endstate, "bench": _bench}
     try:
         return commands[args.command](args)
     except (EngineLeftPoisoned, ResetNotCovered) as e:  # not bad input: the check ran and did not pass

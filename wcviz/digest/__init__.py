@@ -32,7 +32,7 @@ from wcviz.digest._api import (
     resolve_backend,
     tensor_digest,
 )
-from wcviz.digest._engines import ENGINE_ALGORITHMS
+from wcviz.digest._engines import ENGINE_ALGORITHMS, reference_sglang_gpu
 from wcviz.digest._fill import FILL_ALGORITHMS, fill_digest
 from wcviz.digest._lanes import logical_bytes
 
@@ -57,6 +57,7 @@ __all__ = [
     "fill_digest",
     "logical_bytes",
     "parse_dtype",
+    "reference_sglang_gpu",
     "resolve_backend",
     "tensor_digest",
 ]

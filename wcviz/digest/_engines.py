@@ -196,9 +196,8 @@ def sglang_gpu_words(t: torch.Tensor, chunk_words: int = 1 << 26) -> int:
             k1 = torch.nn.functional.pad(k1, (0, pad))
             k2 = torch.nn.functional.pad(k2, (0, pad))
         tiles.append(torch.stack([k1.view(-1, TILE).sum(1) & _M32, k2.view(-1, TILE).sum(1) & _M32], 1))
-    both = torch.cat(tiles) ^ ((n * 4) & _M32)
-    both = fmix(both).cpu().numpy().astype(np.uint64)  # the one sync
-    packed = (both[:, 0] << np.uint64(32)) | both[:, 1]
+    mixed = fmix(torch.cat(tiles) ^ ((n * 4) & _M32)).cpu().numpy().astype(np.uint64)  # the one sync
+    packed = (mixed[:, 0] << np.uint64(32)) | mixed[:, 1]
     return _final64(int(packed.sum(dtype=np.uint64)))
 
 
@@ -207,10 +206,11 @@ def sglang_gpu_words(t: torch.Tensor, chunk_words: int = 1 << 26) -> int:
 
 def engine_digest(algo: str, raw: np.ndarray | memoryview | bytes) -> str:
     """The hex digest of raw bytes (a 1-D uint8 array or a buffer) under one of :data:`ENGINE_ALGORITHMS`."""
+    data = raw if isinstance(raw, bytes) else memoryview(raw).cast("B")  # type: ignore[arg-type]  # numpy arrays are buffers
     if algo == "vllm-sha256":
-        return hashlib.sha256(memoryview(raw).cast("B") if not isinstance(raw, bytes) else raw).hexdigest()
+        return hashlib.sha256(data).hexdigest()
     if algo == "sglang-cpu":
-        digest = hashlib.sha256(memoryview(raw).cast("B") if not isinstance(raw, bytes) else raw).digest()
+        digest = hashlib.sha256(data).digest()
         return f"{int.from_bytes(digest[:8], 'big'):016x}"
     if algo == "sglang-gpu":
         array = np.frombuffer(raw, dtype=np.uint8) if not isinstance(raw, np.ndarray) else raw

@@ -10,9 +10,11 @@ update again), classify (reload against snapshot, per parameter). Three parts:
   every parameter from the digest a fully reset one must have;
 - :mod:`~wcviz.endstate.session` - one session over a small fleet protocol
   (:class:`Fleet`), and :func:`run`, the whole check in order;
-- :mod:`~wcviz.endstate.fleets` - the fleets: HTTP agents, callables, SGLang's own
-  checker, and the one-call checks built on them (:func:`check_agents`,
-  :func:`run_check`, :func:`sglang_endstate`).
+- :mod:`~wcviz.endstate.fleets` - the fleets of wcviz's own ranks: HTTP agents,
+  callables, and the one-call checks on them (:func:`check_agents`, :func:`run_check`);
+- :mod:`~wcviz.endstate.engines` - the engines' own checkers, nothing of wcviz installed
+  in the engine: vLLM's (:class:`VllmCheckerFleet`, :func:`vllm_endstate`) and SGLang's
+  (:class:`SglangFleet`, :func:`sglang_endstate`).
 
 The statuses and the verdict columns are :mod:`wcviz.verdicts`'.
 """
@@ -20,15 +22,15 @@ The statuses and the verdict columns are :mod:`wcviz.verdicts`'.
 from __future__ import annotations
 
 from wcviz.endstate.classify import PHASES, RESET_PATTERNS, ResetNotCovered, classify, reset_coverage
-from wcviz.endstate.fleets import (
-    AgentFleet,
-    CallableFleet,
+from wcviz.endstate.engines import (
+    EngineEndstate,
     SglangEndstate,
     SglangFleet,
-    check_agents,
-    run_check,
+    VllmCheckerFleet,
     sglang_endstate,
+    vllm_endstate,
 )
+from wcviz.endstate.fleets import AgentFleet, CallableFleet, check_agents, run_check
 from wcviz.endstate.poison import POISON_BYTE, POISON_BYTES, poison_
 from wcviz.endstate.session import PROBLEM_COLUMNS, EndStateReport, EndStateSession, EngineLeftPoisoned, Fleet, run
 from wcviz.verdicts import ENDSTATE_STATUSES
@@ -45,11 +47,13 @@ __all__ = [
     "CallableFleet",
     "EndStateReport",
     "EndStateSession",
+    "EngineEndstate",
     "EngineLeftPoisoned",
     "Fleet",
     "ResetNotCovered",
     "SglangEndstate",
     "SglangFleet",
+    "VllmCheckerFleet",
     "check_agents",
     "classify",
     "poison_",
@@ -58,4 +62,5 @@ __all__ = [
     "run_check",
     "sglang_endstate",
     "summary",
+    "vllm_endstate",
 ]

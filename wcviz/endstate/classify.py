@@ -122,8 +122,9 @@ def _pattern_bytes(pattern: str | int) -> tuple[int, ...]:
 def _pattern_digests(rows: pd.DataFrame, fill: tuple[int, ...]) -> pd.Series:
     """Per row (``algo``, ``dtype``, ``shape``, ``nbytes``): the digests a parameter fully reset to one of
     ``fill``'s bytes must have, as a tuple; None where they cannot be computed (another algorithm, no
-    dtype or shape). Computed once per distinct (algo, dtype, shape, nbytes)."""
-    from wcviz.digest import FILL_ALGORITHMS, fill_digest, parse_dtype
+    dtype or shape; for the engines' algorithms, which hash bytes alone, no ``nbytes``). Computed once
+    per distinct (algo, dtype, shape, nbytes)."""
+    from wcviz.digest import ENGINE_ALGORITHMS, FILL_ALGORITHMS, fill_digest, parse_dtype
 
     cols = ["algo", "dtype", "shape", "nbytes"]
     if not fill or not len(rows):
@@ -132,6 +133,8 @@ def _pattern_digests(rows: pd.DataFrame, fill: tuple[int, ...]) -> pd.Series:
     distinct = keys.drop_duplicates()
 
     def digests(algo: Any, dtype: Any, shape: Any, nbytes: Any) -> Any:
+        if algo in ENGINE_ALGORITHMS and nbytes is not None:  # the engines hash bytes alone: the count is all it takes
+            return tuple(fill_digest(str(algo), "uint8", [int(nbytes)], int(nbytes), b) for b in fill)
         if algo not in FILL_ALGORITHMS or dtype is None or shape is None:
             return None
         try:

@@ -6,15 +6,14 @@ Each fleet implements :class:`wcviz.endstate.Fleet` - ``targets``, ``identity``,
 - :class:`AgentFleet`: :class:`wcviz.agent.Agent` ranks over HTTP (``check_agents``,
   ``wcviz endstate``, the dashboard); the simulated cluster's fleet extends it
   (:mod:`wcviz.sim`);
-- :class:`CallableFleet`: in-process callables acting on every rank at once (``run_check``);
-- :class:`SglangFleet`: SGLang's own weight checker (``sglang_endstate``), whose reset
-  writes random values.
+- :class:`CallableFleet`: in-process callables acting on every rank at once (``run_check``).
+
+The engines' own checkers (vLLM's, SGLang's) are :mod:`wcviz.endstate.engines`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import pandas as pd
@@ -26,11 +25,8 @@ from wcviz.sources import ActionResult, FetchResult, Targets, act, fetch, fetch_
 __all__ = [
     "AgentFleet",
     "CallableFleet",
-    "SglangEndstate",
-    "SglangFleet",
     "check_agents",
     "run_check",
-    "sglang_endstate",
 ]
 
 _IDENTITY_FIELDS = ("role", *IDENTITY, "host")
@@ -226,102 +222,3 @@ def run_check(
     fleet = CallableFleet(snapshot_fn, reset_fn, reload_fn, digest_fn, reset_pattern=reset_pattern)
     report = run(EndStateSession(fleet), allow_partial_reset=allow_partial_reset, raise_if_poisoned=True)
     return report.verdicts
-
-
-class SglangFleet:
-    """SGLang's own weight checker (``POST /weights_checker``) at ``base_url``, and the caller's ``reload``.
-
-    SGLang's ``reset_tensors`` writes random values (``reset_pattern`` ``unknown``), so a
-    parameter that reloads equal to its snapshot is ``unproven``. The targets are its
-    ranks once they have answered (a request acts on all of them at once); a rank that
-    answered an earlier phase and is absent from a later one did not answer it.
-    """
-
-    reset_pattern = "unknown"
-
-    def __init__(self, base_url: str, reload: Callable[[], object], **options: Any) -> None:
-        if not callable(reload):
-            raise TypeError(f"reload must be a callable that runs the weight update, got {type(reload).__name__}")
-        self.base = str(base_url).rstrip("/")
-        self.reload_fn = reload
-        self.options = options
-        self.known: dict[str, dict[str, Any]] = {}
-
-    @property
-    def targets(self) -> tuple[str, ...]:
-        return tuple(self.known) or (self.base,)
-
-    def identity(self, target: str) -> Mapping[str, Any]:
-        return self.known.get(target, {})
-
-    def digests(self, phase: str) -> FetchResult:
-        from wcviz.sources import EngineEndpointError, from_sglang
-
-        res = from_sglang(self.base, phase=phase, **self.options)
-        if phase == "snapshot" and not len(res.frame):
-            raise EngineEndpointError(f"no rank gave snapshot checksums, nothing was changed: {res.summary}")
-        gone = [
-            {"url": label, "kind": "unreachable", "error": f"gave no checksums in phase {phase} (it did before)", **ident}
-            for label, ident in self.known.items() if label not in res.urls
-        ]  # fmt: skip
-        for r in res.frame.drop_duplicates("url").to_dict(orient="records"):
-            self.known[str(r["url"])] = _known(r)
-        for r in res.failed.to_dict(orient="records"):
-            self.known.setdefault(str(r["url"]), {}).update(_known(r))
-        return res.with_failed(gone)
-
-    def act(self, action: str) -> ActionResult:
-        from wcviz.sources import EngineEndpointError, sglang_action
-
-        if action == "reload":
-            self.reload_fn()
-            return _acknowledged(action, self.targets)
-        res = sglang_action(self.base, "reset_tensors" if action == "reset" else action, **self.options)
-        if action == "snapshot" and not res.answers:
-            raise EngineEndpointError(f"snapshot failed on every rank, nothing was changed: {res.summary}")
-        if action == "reset" and res.errors:
-            raise EngineEndpointError(f"reset_tensors did not complete, the check is void: {res.summary}")
-        return res
-
-
-@dataclass
-class SglangEndstate(EndStateReport):
-    """:func:`sglang_endstate`'s report: an :class:`wcviz.endstate.EndStateReport` and SGLang's own ``compare``."""
-
-    compare: ActionResult | None = None
-
-    @property
-    def summary(self) -> Any:
-        line = super().summary
-        if self.compare is not None:
-            line = type(line)(f"{line}\n  SGLang's compare: {self.compare.summary}")
-        return line
-
-
-def sglang_endstate(
-    base_url: str,
-    reload: Callable[[], object],
-    *,
-    client: Any = None,
-    transport: Any = None,
-    timeout_s: float = 120.0,
-    allow_partial_reset: bool = False,
-    compare: bool = True,
-) -> SglangEndstate:
-    """The end-state check on a running SGLang through its own weight checker (:class:`SglangFleet`).
-
-    snapshot, checksum (phase ``snapshot``); reset_tensors, checksum (``reset``);
-    ``reload()`` - the caller's weight update, e.g. the trainer sending its weights
-    again - then checksum (``reload``); and, if ``compare``, SGLang's own ``compare``,
-    reported beside the verdicts. A rank that failed, or went missing, in a phase is
-    ``unreachable``. The reload runs even when the reset failed, so the engine is
-    restored before the error is raised; a failed reload raises
-    :class:`wcviz.endstate.EngineLeftPoisoned`.
-    """
-    from wcviz.sources import sglang_action
-
-    options: dict[str, Any] = {"client": client, "transport": transport, "timeout_s": timeout_s}
-    fleet = SglangFleet(base_url, reload, **options)
-    report = run(EndStateSession(fleet), allow_partial_reset=allow_partial_reset, raise_if_poisoned=True)
-    compared = sglang_action(base_url, "compare", **options) if compare else None
-    return SglangEndstate(**{f: getattr(report, f) for f in EndStateReport.__dataclass_fields__}, compare=compared)

@@ -42,16 +42,23 @@ Where the coordinates come from (:func:`worker_coords`), first that applies:
    ``ep``, ``world_size`` (set it when the defaults below are wrong for your deployment);
 2. vLLM's ``vllm.distributed.parallel_state`` when it is already imported and
    initialised (it is on a vLLM worker; wcviz never imports vLLM itself):
-   ``get_tensor_model_parallel_rank()``, ``get_pp_group().rank_in_group``,
-   ``get_dp_group().rank_in_group`` (else ``parallel_config.data_parallel_rank``),
-   ``get_ep_group().rank_in_group`` only when ``enable_expert_parallel`` is set,
-   and the global rank and world size from ``torch.distributed`` (else ``self.rank``);
+   ``get_tensor_model_parallel_rank()``, ``get_pp_group().rank_in_group``, DP from
+   ``parallel_config.data_parallel_index`` (else ``get_dp_group().rank_in_group``,
+   else ``data_parallel_rank``), ``get_ep_group().rank_in_group`` only when
+   ``enable_expert_parallel`` is set, and the rank and world across DP
+   (``data_parallel_index * parallel_config.world_size`` + the local rank, of
+   ``world_size_across_dp``; else ``torch.distributed``'s, else ``self.rank``);
 3. the worker's attributes ``rank``, ``dp_rank``, ``pp_rank``, ``tp_rank``,
    ``ep_rank``, ``world_size`` (absent ones are unknown): the contract the tests'
    ``SimWorker`` holds.
 
-``world_size`` lets a client notice ranks that ``collective_rpc`` never reached: a
-worker that gave no answer at all is reported, not silently absent.
+``world_size`` (across DP) lets a client notice ranks that ``collective_rpc`` never
+reached: a worker that gave no answer at all is reported, not silently absent. With
+data parallelism that matters: vLLM 0.33's ``/collective_rpc`` (and ``LLM.collective_rpc``)
+returns the results of DP engine 0's workers only (``v1/engine/core_client.py``:
+``call_utility_async`` answers with the first engine's result), so every other
+replica's ranks are reported as not reached; :func:`wcviz.sources.from_vllm_weight_checker`
+reaches them all.
 
 The model comes from ``self.model_runner.get_model()`` (else ``self.model_runner.model``).
 """
@@ -73,7 +80,10 @@ if TYPE_CHECKING:
 
 __all__ = ["WcvizWorkerExtension", "worker_coords"]
 
-_ATTRS = {"rank": "rank", "dp": "dp_rank", "pp": "pp_rank", "tp": "tp_rank", "ep": "ep_rank", "world_size": "world_size"}
+_ATTRS = {
+    "rank": "rank", "dp": "dp_rank", "pp": "pp_rank", "tp": "tp_rank", "ep": "ep_rank", "world_size": "world_size",
+    "dp_size": "dp_size",
+}  # fmt: skip
 
 
 def _int_or_none(v: Any, what: str) -> int | None:
@@ -88,7 +98,14 @@ def _int_or_none(v: Any, what: str) -> int | None:
 
 
 def _vllm_coords(worker: Any) -> dict[str, int | None] | None:
-    """Coordinates from vLLM's parallel state, or None when it is not imported or not initialised."""
+    """Coordinates from vLLM's parallel state, or None when it is not imported or not initialised.
+
+    DP as vLLM 0.33 numbers it (``vllm/v1/worker/gpu_worker.py``, ``config/parallel.py``):
+    ``parallel_config.data_parallel_index`` - dense replicas all have
+    ``data_parallel_rank`` 0 and a DP group of one, only the index tells them apart -
+    and the global rank and world across DP, ``index * world_size + local rank`` of
+    ``world_size_across_dp`` (``parallel_state``'s ``reshape(-1, dp, pp, pcp, tp)``).
+    """
     ps = sys.modules.get("vllm.distributed.parallel_state")
     if ps is None:
         return None
@@ -98,10 +115,12 @@ def _vllm_coords(worker: Any) -> dict[str, int | None] | None:
     except Exception:  # noqa: BLE001 - groups not initialised: this process is no vLLM worker
         return None
     parallel = getattr(getattr(worker, "vllm_config", None), "parallel_config", None)
-    try:
-        dp = ps.get_dp_group().rank_in_group
-    except Exception:  # noqa: BLE001 - older vLLM without a DP group
-        dp = getattr(parallel, "data_parallel_rank", None)
+    dp = getattr(parallel, "data_parallel_index", None)
+    if dp is None:
+        try:
+            dp = ps.get_dp_group().rank_in_group
+        except Exception:  # noqa: BLE001 - older vLLM without a DP group
+            dp = getattr(parallel, "data_parallel_rank", None)
     ep = None
     if getattr(parallel, "enable_expert_parallel", False):
         try:
@@ -117,11 +136,16 @@ def _vllm_coords(worker: Any) -> dict[str, int | None] | None:
         rank = world = None
     if rank is None:
         rank = getattr(worker, "rank", None)
-    return {"rank": rank, "dp": dp, "pp": pp, "tp": tp, "ep": ep, "world_size": world}
+    replica, across = getattr(parallel, "world_size", None), getattr(parallel, "world_size_across_dp", None)
+    dp_size = getattr(parallel, "data_parallel_size", None)
+    if isinstance(replica, int) and replica > 0 and isinstance(dp, int) and isinstance(rank, int):
+        rank = dp * replica + rank % replica  # one numbering across DP, as vLLM's own checker keys imply
+        world = across if isinstance(across, int) else world
+    return {"rank": rank, "dp": dp, "pp": pp, "tp": tp, "ep": ep, "world_size": world, "dp_size": dp_size}
 
 
 def worker_coords(worker: Any) -> tuple[dict[str, int | None], str]:
-    """``({"rank", "dp", "pp", "tp", "ep", "world_size"}, where they came from)`` for a worker (see the module doc)."""
+    """``({"rank", "dp", "pp", "tp", "ep", "world_size", "dp_size"}, where they came from)`` for a worker (see the module doc)."""
     explicit = getattr(worker, "wcviz_coords", None)
     if explicit is not None:
         if not isinstance(explicit, Mapping):

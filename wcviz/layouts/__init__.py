@@ -15,12 +15,35 @@ These rules never import :mod:`wcviz.sim`: the simulated engine's loader and
 the rules are written apart, so a bug in one cannot hide the same bug in the other.
 
 As vLLM lays them out: fused ``qkv_proj`` (k/v heads replicated when tp exceeds
-the kv heads) and ``gate_up_proj``, column/row splits, vocabulary-parallel
-embedding and head zero-padded to ``vocab_padding`` (64), tied embeddings (the
-last stage holds the embedding too), pipeline stages split as ``get_pp_indices``
-does, and FusedMoE ``w13_weight``/``w2_weight`` spread over all tp * dp ranks of
-a stage (sliced, or as contiguous blocks of whole experts under expert
-parallelism, where ep = tp * dp).
+the kv heads) and ``gate_up_proj``, with their biases where the checkpoint has
+them (Llama's ``attention_bias``/``qkv_bias``/``mlp_bias``, Qwen2's q/k/v
+biases; ``o_proj`` and ``down_proj`` biases whole on every rank), column/row
+splits, vocabulary-parallel embedding and head zero-padded to ``vocab_padding``
+(64), tied embeddings (the last stage holds the embedding too), pipeline stages
+split as ``get_pp_indices`` does, and FusedMoE ``w13_weight``/``w2_weight``
+spread over all tp * dp ranks of a stage (sliced, or as contiguous blocks of
+whole experts under expert parallelism, where ep = tp * dp; ranks beyond the
+experts hold empty [0, ...] tensors).
+
+Engine versions and options. Each :class:`Family` names the engine whose source
+its rules were read from (``Family.engine``: ``"vllm 0.33.0"``; ``sim-moe`` is
+the simulated engine's). Names that changed between vLLM versions are chosen
+with ``names=`` on :func:`expected_shards` and :func:`expected_frame`
+(:data:`NAMES`): ``"vllm>=0.25"`` (the default, the rules' own names: Mixtral's
+``block_sparse_moe.experts.routed_experts.w13_weight``, since vLLM's MoERunner
+refactor) or ``"vllm<0.25"`` (``block_sparse_moe.experts.w13_weight``, each
+family's ``legacy_names``; the boundary is approximate, see
+:mod:`~wcviz.layouts.mixtral`). It is an option, not a second family: the
+checkpoint names and the layout are the same, so two families would fit the
+same weights and :func:`detect_family` could not choose. A tied head is listed as the reporter lists it,
+``tied_names=`` (:data:`TIED_NAMES`): ``"once"`` (the default: vLLM's
+``/weight_checker`` walks ``named_parameters()``, which yields a shared tensor
+once, as ``model.embed_tokens.weight``) or ``"both"`` (wcviz's vLLM worker
+extension walks ``named_parameters(remove_duplicate=False)``: ``lm_head.weight``
+too, the same tensor, on the last stage). ``moe_w13_order=`` (:data:`W13_ORDERS`)
+is ``"w1w3"`` (FusedMoE as loaded) or ``"w3w1"`` (vLLM's FlashInfer CUTLASS MoE
+backend, which swaps each expert's halves after loading). An unknown value of
+any of them is a :class:`LayoutError` listing the known ones.
 
 Where this differs from vLLM, plainly:
 
@@ -29,6 +52,12 @@ Where this differs from vLLM, plainly:
   does: compare it with ``vocab_padding=1``);
 - only vLLM's default expert placement (linear, not ``round_robin``) and
   stage split (no ``VLLM_PP_LAYER_PARTITION``);
+- vLLM 0.33's ``MixtralModel`` builds ``embed_tokens``, ``norm`` and
+  ``lm_head`` on every pipeline stage (no ``PPMissingLayer``), and loads them
+  there; the rules keep them on the first/last stage as Llama does, so with
+  pp > 1 a real Mixtral engine reports them on more stages than expected;
+- MoE backends that pad or reshuffle expert weights after loading (AITER,
+  FlashInfer TRT-LLM, MXFP4) are not modelled, FlashInfer CUTLASS's swap aside;
 - quantized weights, LoRA, added vocabulary and per-layer head sizes are not
   modelled; ``sim-moe`` is the simulated engine's own layout, not vLLM's.
 """
@@ -46,7 +75,7 @@ from wcviz.layouts._expected import (
     expected_shards,
     get_family,
 )
-from wcviz.layouts._rules import KINDS, Family, LayoutError, Rule
+from wcviz.layouts._rules import ENGINE, KINDS, NAMES, TIED_NAMES, W13_ORDERS, Family, LayoutError, Rule
 from wcviz.layouts._split import padded_vocab
 from wcviz.layouts._topology import expert_block, stage_layers
 from wcviz.layouts.llama import LLAMA, MISTRAL
@@ -55,13 +84,17 @@ from wcviz.layouts.qwen2 import QWEN2
 from wcviz.layouts.sim_moe import SIM_MOE
 
 __all__ = [
+    "ENGINE",
     "FAMILIES",
     "KINDS",
     "LLAMA",
     "MISTRAL",
     "MIXTRAL",
+    "NAMES",
     "QWEN2",
     "SIM_MOE",
+    "TIED_NAMES",
+    "W13_ORDERS",
     "Binding",
     "Family",
     "LayoutError",

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from wcviz._text import listing
-from wcviz.layouts._rules import Family, LayoutError, Rule
+from wcviz.layouts._rules import NAMES, TIED_NAMES, W13_ORDERS, Family, LayoutError, Rule
 from wcviz.layouts._split import SPLITS, Cut
 from wcviz.layouts._topology import Coords, expert_block, moe_slot, rank_coords, stage_layers
 from wcviz.layouts.llama import LLAMA, MISTRAL
@@ -149,20 +149,28 @@ def bind(names: Iterable[str], family: str | Family, *, tie_embeddings: bool | N
 
 
 def detect_family(names: Iterable[str]) -> str:
-    """The first family (in :data:`FAMILIES` order) whose rules fit ``names`` exactly.
+    """The most specific family whose rules fit ``names`` exactly: the one needing fewest optional rules.
 
-    Llama and Mistral checkpoints have the same names: both read as ``llama``
-    (their layouts are the same too). When none fits, the error says why for each.
+    A Qwen2 checkpoint (q/k/v biases, no ``o_proj`` bias) also fits Llama, whose
+    biases are optional; Qwen2 requires them, so it reads as ``qwen2``; a Llama
+    with ``attention_bias`` (an ``o_proj`` bias too) fits only ``llama``. A Llama
+    with ``qkv_bias`` alone reads as ``qwen2``, whose layout is the same. Ties go
+    to the first in :data:`FAMILIES` order: Llama and Mistral checkpoints have
+    the same names (and layouts) and read as ``llama``. When none fits, the
+    error says why for each.
     """
     names = list(names)
     why = []
+    fits: list[tuple[int, str]] = []
     for fam in FAMILIES.values():
         try:
-            bind(names, fam)
+            b = bind(names, fam)
         except LayoutError as e:
             why.append(str(e))
             continue
-        return fam.name
+        fits.append((len({p.rule for p in b.params if p.rule.optional and p.rule.engine != fam.head}), fam.name))
+    if fits:
+        return min(fits, key=lambda fit: fit[0])[1]  # min keeps the first of equals
     raise LayoutError("no known family fits these weights:\n  " + "\n  ".join(why))
 
 
@@ -179,6 +187,9 @@ class _Plan:
     kv_heads: int
     vocab_padding: int
     dtype: Any
+    tied_names: str = "once"
+    moe_w13_order: str = "w1w3"
+    renamed: Mapping[str, str] = field(default_factory=dict)  # engine name -> the name reported under ``names``
 
 
 def _plan(
@@ -186,14 +197,32 @@ def _plan(
     family: str | Family,
     tie_embeddings: bool | None,
     dtype: Any,
+    options: Mapping[str, str],
     **sizes: int,
 ) -> _Plan:
     """Bind ``family`` to ``weights`` and check the topology against it, naming the first thing that does not fit."""
     for label, v in sizes.items():
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise LayoutError(f"{label} must be a positive int, got {v!r}")
+    for label, known in (("tied_names", TIED_NAMES), ("moe_w13_order", W13_ORDERS), ("names", NAMES)):
+        if options[label] not in known:
+            raise LayoutError(f"{label}={options[label]!r} is not known; choose one of: {', '.join(known)}")
     b = bind(weights.keys(), family, tie_embeddings=tie_embeddings)
-    p = _Plan(b, dtype=dtype, **sizes)
+    legacy = b.family.engine_names(options["names"])
+    renamed = {}
+    for param in b.params:
+        if param.rule.engine in legacy:
+            m = _regex(param.rule.engine).fullmatch(param.name)
+            assert m is not None  # the name was made from this template
+            renamed[param.name] = legacy[param.rule.engine].format(**m.groupdict())
+    p = _Plan(
+        b,
+        dtype=dtype,
+        tied_names=options["tied_names"],
+        moe_w13_order=options["moe_w13_order"],
+        renamed=renamed,
+        **sizes,
+    )
     if p.heads % p.kv_heads:
         raise LayoutError(f"heads ({p.heads}) must be a multiple of kv_heads ({p.kv_heads})")
     if p.heads % p.tp:
@@ -209,8 +238,6 @@ def _plan(
             raise LayoutError(
                 f"ep={p.ep}: vLLM's expert parallelism spans every TP x DP rank: ep must be 1 or tp*dp = {p.tp * p.dp}"
             )
-        if p.ep > b.experts:
-            raise LayoutError(f"ep={p.ep} exceeds the {b.experts} experts")
     return p
 
 
@@ -227,6 +254,9 @@ def expected_shards(
     vocab_padding: int = 64,
     tie_embeddings: bool | None = None,
     dtype: torch.dtype | None = None,
+    names: str = "vllm>=0.25",
+    tied_names: str = "once",
+    moe_w13_order: str = "w1w3",
 ) -> Iterator[tuple[Coords, str, torch.Tensor]]:
     """(coords, engine name, tensor) for every parameter of every engine rank, in rank order.
 
@@ -234,13 +264,25 @@ def expected_shards(
     safetensors checkpoint, read lazily). ``coords`` holds ``rank``, ``dp``, ``pp``,
     ``tp`` and ``ep`` (None unless ``ep > 1``; then ``ep`` must be ``tp * dp``).
     FusedMoE experts are spread over the ``tp * dp`` ranks of a stage, as vLLM does:
-    sliced, or as blocks of whole experts under expert parallelism.
+    sliced, or as blocks of whole experts under expert parallelism (ranks beyond
+    the experts hold empty [0, ...] tensors).
     ``vocab_padding`` is vLLM's ``DEFAULT_VOCAB_PADDING_SIZE`` (64): the vocabulary
     is padded to a multiple of it before the TP split, and then to a multiple of
     ``tp`` (where vLLM would refuse instead); the simulated engine pads to ``tp``
     only, so compare it with ``vocab_padding=1``. ``dtype`` is the engine's
-    parameter dtype when it differs from the weights'. Errors are
-    :class:`LayoutError` and name the tensor, dim or size that does not fit.
+    parameter dtype when it differs from the weights'.
+
+    ``names`` picks the engine's parameter names by vLLM version
+    (:data:`~wcviz.layouts.NAMES`): ``"vllm>=0.25"`` as the rules name them
+    (Mixtral's ``experts.routed_experts.w13_weight``), ``"vllm<0.25"`` before the
+    MoERunner refactor (``experts.w13_weight``). ``tied_names`` says how a tied
+    head is listed: ``"once"`` as vLLM's ``/weight_checker`` does
+    (``named_parameters()``: the embedding's name only), ``"both"`` as wcviz's
+    vLLM worker extension does (``named_parameters(remove_duplicate=False)``:
+    ``lm_head.weight`` too, the same tensor, on the last stage).
+    ``moe_w13_order="w3w1"`` gives FusedMoE ``w13_weight`` as vLLM's FlashInfer
+    CUTLASS backend holds it, each expert's halves swapped. Errors are
+    :class:`LayoutError` and name the tensor, dim, size or option that does not fit.
     """
     weights = checkpoint_weights(weights) if isinstance(weights, (str, Path)) else weights
     sizes = {
@@ -252,7 +294,8 @@ def expected_shards(
         "kv_heads": kv_heads,
         "vocab_padding": vocab_padding,
     }
-    plan = _plan(weights, family, tie_embeddings, dtype, **sizes)  # errors now, not at the first next()
+    options = {"names": names, "tied_names": tied_names, "moe_w13_order": moe_w13_order}
+    plan = _plan(weights, family, tie_embeddings, dtype, options, **sizes)  # errors now, not at the first next()
     return ((coords, name, t) for coords in rank_coords(tp, pp, dp, ep) for name, t in _rank(weights, plan, coords))
 
 
@@ -263,7 +306,9 @@ def _rank(weights: Mapping[str, torch.Tensor], plan: _Plan, coords: Coords) -> l
     slot = moe_slot(coords, plan.tp)  # FusedMoE spans the stage's TP x DP ranks
     experts = expert_block(b.experts, slot, plan.ep) if plan.ep > 1 else range(b.experts)
     moe_tp, moe_tp_size = (0, 1) if plan.ep > 1 else (slot, plan.tp * plan.dp)
-    cut = Cut(coords["tp"], plan.tp, plan.heads, plan.kv_heads, plan.vocab_padding, moe_tp, moe_tp_size)
+    cut = Cut(
+        coords["tp"], plan.tp, plan.heads, plan.kv_heads, plan.vocab_padding, moe_tp, moe_tp_size, plan.moe_w13_order
+    )
     out = []
     for p in b.params:
         on = {"layer": p.layer in own, "first": stage == 0, "last": stage == last}[p.rule.stage]
@@ -272,11 +317,17 @@ def _rank(weights: Mapping[str, torch.Tensor], plan: _Plan, coords: Coords) -> l
         if not on:
             continue
         if p.rule.stacks_experts:
-            src: Any = [tuple(weights[n] for n in p.sources[e]) for e in experts]
+            # an EP rank beyond the experts holds none: cut one anyway for the trailing dims and dtype, keep [0, ...]
+            local = experts or range(1)
+            src: Any = [tuple(weights[n] for n in p.sources[e]) for e in local]
         else:
             src = [weights[n] for n in p.sources[0]]
         t = SPLITS[p.rule.kind](src, cut, p.name)
-        out.append((p.name, (t if plan.dtype is None else t.to(plan.dtype)).contiguous()))
+        if p.rule.stacks_experts and not experts:
+            t = t[:0]
+        out.append((plan.renamed.get(p.name, p.name), (t if plan.dtype is None else t.to(plan.dtype)).contiguous()))
+    if b.tied and plan.tied_names == "both" and stage == last:  # the head is the embedding's tensor, under its name
+        out += [(b.family.head, t) for n, t in out if n == b.family.embedding]
     return out
 
 
@@ -293,6 +344,9 @@ def expected_frame(
     vocab_padding: int = 64,
     tie_embeddings: bool | None = None,
     dtype: torch.dtype | None = None,
+    names: str = "vllm>=0.25",
+    tied_names: str = "once",
+    moe_w13_order: str = "w1w3",
     algo: str | None = None,
     backend: str = "auto",
     role: str = "engine",
@@ -304,7 +358,10 @@ def expected_frame(
     ``tp`` (and ``ep`` when ``ep > 1``) as the engine's agents report them;
     ``rank_info`` (``host``, ``phase``, ``step``) is stamped on every row. A DP
     replica reuses the digests of the replica before it, unless FusedMoE experts
-    (spread over DP ranks too) make them differ.
+    (spread over DP ranks too) make them differ. ``algo`` is any of
+    :data:`wcviz.digest.ALGORITHMS`, the engines' own (``vllm-sha256``,
+    ``sglang-cpu``, ``sglang-gpu``) included, so the frame compares with what an
+    engine's checker reports.
     """
     from wcviz.digest import DEFAULT_ALGO, digest_timed
     from wcviz.frame import check_rank_info, make_frame, shape_str
@@ -321,7 +378,8 @@ def expected_frame(
         "kv_heads": kv_heads,
         "vocab_padding": vocab_padding,
     }
-    plan = _plan(weights, family, tie_embeddings, dtype, **sizes)
+    options = {"names": names, "tied_names": tied_names, "moe_w13_order": moe_w13_order}
+    plan = _plan(weights, family, tie_embeddings, dtype, options, **sizes)
     rows: list[dict[str, Any]] = []
     done: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
     moe = any(p.rule.stacks_experts for p in plan.binding.params)  # FusedMoE differs between DP replicas

@@ -11,11 +11,13 @@ from dataclasses import dataclass, field
 
 from wcviz._errors import WcvizError
 
-__all__ = ["KINDS", "STAGES", "Family", "LayoutError", "Rule"]
+__all__ = ["ENGINE", "KINDS", "NAMES", "STAGES", "TIED_NAMES", "W13_ORDERS", "Family", "LayoutError", "Rule"]
+
+ENGINE = "vllm 0.33.0"  # the engine version the vLLM families' rules were checked against
 
 # How one rank's piece of an engine parameter is cut from its sources (vLLM's layer class in brackets).
 KINDS = {
-    "replicated": "the source, whole, on every rank [ReplicatedLinear, RMSNorm]",
+    "replicated": "the source, whole, on every rank [ReplicatedLinear, RMSNorm, a RowParallelLinear bias]",
     "column": "dim 0 split into tp equal parts [ColumnParallelLinear]",
     "row": "dim 1 split into tp equal parts [RowParallelLinear]",
     "vocab": "dim 0 zero-padded to a multiple of vocab_padding, then split into tp parts [VocabParallelEmbedding, ParallelLMHead]",
@@ -23,6 +25,21 @@ KINDS = {
     "merged_column": "each source split along dim 0, then concatenated [MergedColumnParallelLinear]",
     "moe_w13": "per local expert: [w1 ; w3] each split along dim 0, stacked over experts [FusedMoE w13_weight]",
     "moe_w2": "per local expert: w2 split along dim 1, stacked over experts [FusedMoE w2_weight]",
+}
+# Which engine names to use (option ``names``): a family's rules name parameters as the newer vLLM does.
+NAMES = {
+    "vllm>=0.25": "the names in the rules (vLLM with the MoERunner refactor, PR #41184: FusedMoE weights under .routed_experts.)",
+    "vllm<0.25": "the names before that refactor (each family's legacy_names: FusedMoE weights directly under .experts.)",
+}
+# How a tied head is listed (option ``tied_names``): vLLM's named_parameters() yields a shared tensor once.
+TIED_NAMES = {
+    "once": "the embedding's name only, as vLLM's /weight_checker (named_parameters()) lists it",
+    "both": "the head's name too, the same tensor, on the ranks holding the head (named_parameters(remove_duplicate=False))",
+}
+# How FusedMoE w13 is ordered per expert (option ``moe_w13_order``).
+W13_ORDERS = {
+    "w1w3": "[w1 ; w3], gate over up, as FusedMoE loads it (vLLM's default Triton backend)",
+    "w3w1": "[w3 ; w1], as vLLM's FlashInfer CUTLASS backend swaps it after loading (swap_w13_to_w31)",
 }
 # Which pipeline stages hold a parameter: the one owning its layer, the first, or the last.
 STAGES = ("layer", "first", "last")
@@ -85,7 +102,7 @@ class Rule:
 
 @dataclass(frozen=True)
 class Family:
-    """A model family's rules, plus what a tied embedding changes.
+    """A model family's rules, plus what a tied embedding changes and which engine they describe.
 
     When the checkpoint has no tensor for the ``head`` rule (or ``tie_embeddings``
     is given), the head is the embedding: vLLM holds no separate head parameter and
@@ -93,6 +110,12 @@ class Family:
     the ``embedding`` parameter as well as the first (vLLM's Llama-family models).
     Checkpoint names containing one of ``skipped`` are not weights (old checkpoints
     saved rotary buffers); vLLM's loader skips them, and so do the rules.
+
+    ``engine`` names the engine (and version) whose names and layout the rules
+    describe, read off its source: parameter names change between versions.
+    ``legacy_names`` pairs an engine name template of ``rules`` with the name an
+    older vLLM gave the same parameter (see :data:`NAMES`; chosen with
+    ``names="vllm<0.25"``); parameters not listed kept their names.
     """
 
     name: str
@@ -101,6 +124,8 @@ class Family:
     head: str = "lm_head.weight"
     embedding: str = "model.embed_tokens.weight"
     skipped: tuple[str, ...] = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+    engine: str = ENGINE
+    legacy_names: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         engines = [r.engine for r in self.rules]
@@ -115,6 +140,18 @@ class Family:
             rule = self.rule(name)
             if rule.kind != "vocab" or rule.stage != stage:
                 raise LayoutError(f"family {self.name}: the {role} {name} must be a vocab rule on the {stage} stage")
+        for new, old in self.legacy_names:
+            if _placeholders(old) != self.rule(new).placeholders:
+                raise LayoutError(f"family {self.name}: legacy name {old} must carry the placeholders of {new}")
+        olds = [old for _, old in self.legacy_names]
+        if len(set(olds)) < len(olds) or set(olds) & (set(engines) - {new for new, _ in self.legacy_names}):
+            raise LayoutError(f"family {self.name}: legacy_names would give two parameters one name")
+
+    def engine_names(self, names: str) -> dict[str, str]:
+        """{template in the rules: template to report} under ``names`` (one of :data:`NAMES`); renamed ones only."""
+        if names not in NAMES:
+            raise LayoutError(f"names={names!r} is not known; choose one of: {', '.join(NAMES)}")
+        return dict(self.legacy_names) if names == "vllm<0.25" else {}
 
     def rule(self, engine: str) -> Rule:
         """The rule that makes engine parameter ``engine`` (a template name)."""

@@ -28,6 +28,7 @@ class Cut:
     vocab_padding: int
     moe_tp: int  # the slice of each FusedMoE expert: the rank's slot among the stage's tp * dp ranks (0 under EP)
     moe_tp_size: int  # tp * dp (1 under expert parallelism: whole experts)
+    w13_order: str = "w1w3"  # each expert's w13 halves: "w1w3" as loaded, "w3w1" as FlashInfer CUTLASS swaps them
 
 
 def padded_vocab(vocab: int, padding: int, tp: int) -> int:
@@ -101,7 +102,8 @@ def _qkv(src: Sequence[torch.Tensor], c: Cut, what: str) -> torch.Tensor:
 
 def _moe_w13(experts: Sequence[Sequence[torch.Tensor]], c: Cut, what: str) -> torch.Tensor:
     w = f"{what} (moe tp={c.moe_tp_size})"
-    return torch.stack([torch.cat([_part(s, 0, c.moe_tp, c.moe_tp_size, w) for s in pair]) for pair in experts])
+    ordered = [pair if c.w13_order == "w1w3" else pair[::-1] for pair in experts]  # sources are (w1, w3)
+    return torch.stack([torch.cat([_part(s, 0, c.moe_tp, c.moe_tp_size, w) for s in pair]) for pair in ordered])
 
 
 def _moe_w2(experts: Sequence[Sequence[torch.Tensor]], c: Cut, what: str) -> torch.Tensor:

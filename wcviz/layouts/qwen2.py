@@ -1,6 +1,9 @@
 """Qwen2: vLLM's ``Qwen2ForCausalLM``, Llama's layout plus q/k/v biases fused into ``qkv_proj.bias``.
 
 Qwen2's smaller checkpoints tie the head to the embedding (no ``lm_head.weight``).
+Its q/k/v biases are required (``Qwen2Attention``: ``qkv_proj`` with ``bias=True``,
+``o_proj`` without), which is how :func:`~wcviz.layouts.detect_family` tells a
+Qwen2 checkpoint from a Llama one, whose biases are optional rules.
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@ Each expert keeps its own fused ``gate_up_proj`` and ``down_proj``, TP-split lik
 a dense MLP, under ``mlp.experts.E``; the router ``mlp.gate`` is replicated. This
 is how vLLM held experts before FusedMoE, not a layout current vLLM uses (its
 Qwen2-MoE and Mixtral stack experts: see :mod:`wcviz.layouts.mixtral`); it has no
-expert parallelism.
+expert parallelism. Its ``engine`` is the sim, and its names never change with
+the ``names`` option.
 """
 
 from __future__ import annotations
@@ -22,4 +23,9 @@ PER_EXPERT_MLP = (
     Rule(_X + "down_proj.weight", (_X + "down_proj.weight",), "row"),
 )
 
-SIM_MOE = Family("sim-moe", (*EMBEDDING, *ATTENTION, *NORMS, *PER_EXPERT_MLP, *HEAD), doc="the sim's per-expert MoE")
+SIM_MOE = Family(
+    "sim-moe",
+    (*EMBEDDING, *ATTENTION, *NORMS, *PER_EXPERT_MLP, *HEAD),
+    doc="the sim's per-expert MoE",
+    engine="wcviz.sim (moe_style='sim')",
+)

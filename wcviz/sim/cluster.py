@@ -308,7 +308,8 @@ class Cluster:
 
         The trainer saves its current weights as a checkpoint and the layout rules (written
         apart from the simulated loader) cut and digest them per rank. The sim pads the
-        vocabulary to a multiple of TP only, hence ``vocab_padding=1``.
+        vocabulary to a multiple of TP only, hence ``vocab_padding=1``, and names FusedMoE
+        experts as vLLM did before 0.25 (``experts.w13_weight``), hence ``names="vllm<0.25"``.
         """
         from wcviz.layouts import detect_family, expected_frame
 
@@ -318,7 +319,7 @@ class Cluster:
         family = detect_family(list(parameter_shapes(self.cfg)))
         return expected_frame(
             path, family, tp=self.layout.tp, pp=self.layout.pp, dp=self.layout.dp,
-            heads=self.cfg.heads, kv_heads=self.cfg.kv_heads, vocab_padding=1, algo=self.algo,
+            heads=self.cfg.heads, kv_heads=self.cfg.kv_heads, vocab_padding=1, algo=self.algo, names="vllm<0.25",
         )  # fmt: skip
 
     def expected_check(self) -> pd.DataFrame:

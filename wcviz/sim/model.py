@@ -23,6 +23,7 @@ __all__ = [
     "TINY_MOE",
     "ModelConfig",
     "build_state_dict",
+    "hf_config",
     "parameter_shapes",
     "save_checkpoint",
     "step",
@@ -147,8 +148,22 @@ def step(sd: dict[str, torch.Tensor], k: int, scale: float = 0.01) -> dict[str, 
     return out
 
 
-def save_checkpoint(sd: dict[str, torch.Tensor], directory: str | Path, shards: int = 2) -> Path:
-    """Write ``sd`` as ``shards`` safetensors files plus a Hugging Face ``model.safetensors.index.json``."""
+def hf_config(cfg: ModelConfig) -> dict[str, object]:
+    """The Hugging Face ``config.json`` of a model built from ``cfg`` (the fields wcviz and the engines read)."""
+    model_type = "mixtral" if cfg.experts and cfg.moe_style == "mixtral" else "qwen2" if cfg.qkv_bias else "llama"
+    out: dict[str, object] = {
+        "model_type": model_type, "vocab_size": cfg.vocab, "hidden_size": cfg.hidden, "num_hidden_layers": cfg.layers,
+        "num_attention_heads": cfg.heads, "num_key_value_heads": cfg.kv_heads, "intermediate_size": cfg.intermediate,
+        "tie_word_embeddings": cfg.tie_embeddings, "torch_dtype": str(cfg.dtype).removeprefix("torch."),
+    }  # fmt: skip
+    if cfg.experts:
+        out["num_local_experts"] = cfg.experts
+    return out
+
+
+def save_checkpoint(sd: dict[str, torch.Tensor], directory: str | Path, shards: int = 2, config: ModelConfig | None = None) -> Path:
+    """Write ``sd`` as ``shards`` safetensors files plus a Hugging Face ``model.safetensors.index.json``
+    (and, given the model's ``config``, its ``config.json``)."""
     from safetensors.torch import save_file
 
     directory = Path(directory)
@@ -162,4 +177,6 @@ def save_checkpoint(sd: dict[str, torch.Tensor], directory: str | Path, shards: 
         weight_map.update({n: fname for n in part})
     index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in sd.values())}, "weight_map": weight_map}
     (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+    if config is not None:
+        (directory / "config.json").write_text(json.dumps(hf_config(config), indent=1))
     return directory

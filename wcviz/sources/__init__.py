@@ -2,7 +2,8 @@
 
 In memory (a module, a state dict, named tensors), on disk (safetensors), in the job
 (a torch.distributed group), and over a fleet of ranks (HTTP agents, vLLM workers,
-SGLang schedulers, Ray actors). A fleet source says only how to ask its engine; what
+SGLang schedulers, Ray actors) - including the engines' own checkers, with nothing of
+wcviz installed in them (:func:`from_vllm_weight_checker`, :func:`from_sglang`). A fleet source says only how to ask its engine; what
 an answer must be and the one :class:`FetchResult` it returns are shared
 (:mod:`wcviz.sources._fleet`).
 """
@@ -17,9 +18,10 @@ from wcviz.sources._fleet import normalize as normalize_targets
 from wcviz.sources._http import act, act_agents, fetch, fetch_agents, fetch_infos
 from wcviz.sources._ray import from_ray_actors
 from wcviz.sources._safetensors import checkpoint_files, from_safetensors
-from wcviz.sources._sglang import from_sglang, sglang_action
+from wcviz.sources._sglang import from_sglang, sglang_action, sglang_compare_mismatches
 from wcviz.sources._tensors import from_module, from_named_tensors, from_state_dict
 from wcviz.sources._vllm import EngineEndpointError, from_vllm_http, from_vllm_llm, vllm_collective_rpc
+from wcviz.sources._vllm_checker import from_vllm_weight_checker, vllm_checksum_keys, vllm_weight_checker, vllm_world_size
 
 __all__ = [
     "FAILED_COLUMNS",
@@ -43,11 +45,16 @@ __all__ = [
     "from_state_dict",
     "from_vllm_http",
     "from_vllm_llm",
+    "from_vllm_weight_checker",
     "gather_frame",
     "normalize_targets",
     "sglang_action",
+    "sglang_compare_mismatches",
     "sglang_endstate",
+    "vllm_checksum_keys",
     "vllm_collective_rpc",
+    "vllm_weight_checker",
+    "vllm_world_size",
 ]
 
 _MOVED = {"sglang_endstate": "wcviz.endstate", "SglangEndstate": "wcviz.endstate"}  # the end-state check lives there

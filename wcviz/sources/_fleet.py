@@ -96,7 +96,8 @@ def kind_of(error: BaseException) -> str:
 
 
 def message_of(resp: httpx.Response) -> str:
-    """An HTTP error answer's JSON ``error`` (or ``message``), or the start of whatever else the body holds."""
+    """An HTTP error answer's JSON ``error`` (its ``message`` when it is an object, as vLLM's are), ``message`` or
+    ``detail``, or the start of whatever else the body holds."""
     try:
         body = resp.json()
     except ValueError:
@@ -104,7 +105,10 @@ def message_of(resp: httpx.Response) -> str:
     if isinstance(body, dict):
         for k in ("error", "message", "detail"):
             if k in body:
-                return str(body[k])
+                said = body[k]
+                if isinstance(said, dict) and "message" in said:  # vLLM: {"error": {"message", "type", "param", "code"}}
+                    return str(said["message"])
+                return str(said)
     return resp.text[:200] or resp.reason_phrase
 
 

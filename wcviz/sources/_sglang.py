@@ -1,180 +1,268 @@
-"""A source over SGLang's weight checker: ``POST /weights_checker``.
+"""A source over SGLang's own weight checker: ``POST /weights_checker``, nothing of wcviz installed in the engine.
 
-**The wire shapes below are assumed, not verified against a real SGLang** (none was
-reachable when this was written); ``docs/engines.md`` says the same. They follow
-SGLang's documented ``WeightChecker`` (actions ``snapshot``, ``reset_tensors``,
-``compare``) plus a ``checksum`` action, with one result per rank::
+Written against SGLang 0.5.23 (``sglang/srt/entrypoints/http_server.py`` ``check_weights``,
+``managers/tokenizer_control_mixin.py``, ``managers/scheduler_components/weight_updater.py``,
+``utils/weight_checker.py``, ``managers/io_struct.py``)::
 
-    request   {"action": "checksum" | "snapshot" | "reset_tensors" | "compare"}
-    answer    {"success": true, "message": "...",
-               "results": [{"parallelism_info": {"tp_rank": 0, "pp_rank": 0, "dp_rank": 0,
-                                                 "ep_rank": 0, "rank": 0, ...},
-                            "success": true, "message": "...",
-                            "checksums": {"model.layers.0.mlp.down_proj.weight": "9f2c...", ...}},
-                           ...]}
+    request  {"action": "checksum" | "snapshot" | "reset_tensors" | "compare",
+              "allow_quant_error": false, "skip_tensor_list": null | [substring, ...],
+              "selector": "target" | "draft" | "all"}
+    answer   {"success": bool, "message": str}                       HTTP 200, or 400 when success is false
+             checksum adds "ranks": [one per TP rank of each DP scheduler:
+                 {"checksums": {name: 16 hex}, "per_gpu_checksum": sha256 hex over the sorted (name, checksum),
+                  "parallelism_info": [{"role", "tp_rank", "tp_size", "dp_rank", "dp_size",
+                                        "pp_rank", "pp_size", "rank", "size"}, ...]}]   (one per role; older: one dict)
+             and "per_engine_checksum": sha256 hex over the ranks' per_gpu_checksum, in order.
 
-``checksums`` comes with ``checksum`` only. ``rank`` (or ``global_rank`` / ``world_rank``)
-in ``parallelism_info`` is optional; the other coordinates come from ``tp_rank``,
-``pp_rank``, ``dp_rank``, ``ep_rank`` and rank identity is never taken from the order of
-``results``. A checksum value is a hex string (an integer is written as hex). Digests get
-the algorithm label ``sglang``: they are SGLang's own checksums, so
-:func:`wcviz.compare` refuses to compare them with ``nemo-rl-v3`` tables, as it should.
+Only pipeline stage 0 answers: the ranks of later stages are listed here as not
+reported (``unreachable``), so a pipelined engine's result is never complete. A draft
+model's keys carry its role as a prefix (``draft.``, ``draft_step_0.``); each role's
+rows get that ``role`` and the bare name, so target and draft stay apart. Actions other
+than ``checksum`` answer only ``success``/``message``: 200 acknowledges the action for
+the whole engine, 400 is an engine-wide failure with SGLang's message (for ``compare``,
+the names that differ; with no snapshot taken, an empty message). Every failure of a DP
+scheduler fails the whole answer (``success`` false), though the other schedulers' ranks
+still come with it.
+
+SGLang's checksum of a CUDA tensor is ``sglang-gpu``, of a CPU tensor ``sglang-cpu``
+(:mod:`wcviz.digest`); rows are labelled ``algo`` (``sglang-gpu`` by default: SGLang
+serves from CUDA). Checked are ``named_parameters()`` and ``named_buffers()`` minus
+SGLang's non-persistent buffers (``cos_sin_cache``, ``inv_freq``, ``freqs_cis``, ...) and
+the ``skip_tensor_list`` substrings; quantized weights are hashed dequantized. The route
+is ``ADMIN_OPTIONAL``: with ``--admin-api-key`` (else ``--api-key``) set, send it as
+``token`` (a Bearer token); a refused key is HTTP 401 ``{"error": "Unauthorized"}``.
 """
 
 from __future__ import annotations
 
+import hashlib
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import httpx
 
 from wcviz._names import name_filter
-from wcviz._text import one_line
-from wcviz.frame import IDENTITY
-from wcviz.sources._fleet import ActionResult, Failed, FetchResult, assemble, message_of, rows_frame
-from wcviz.sources._vllm import EngineEndpointError, target_label
+from wcviz.sources._engine_http import engine_request
+from wcviz.sources._fleet import ActionResult, Failed, FetchResult, assemble, rows_frame
+from wcviz.sources._vllm import EngineEndpointError
 
-__all__ = ["ACTIONS", "SGLANG_ALGO", "from_sglang", "sglang_action", "sglang_request"]
+__all__ = [
+    "ACTIONS",
+    "SGLANG_ALGO",
+    "SGLANG_VERSION",
+    "from_sglang",
+    "sglang_action",
+    "sglang_compare_mismatches",
+    "sglang_request",
+]
 
-SGLANG_ALGO = "sglang"
+SGLANG_VERSION = "0.5.23"  # the release these shapes were read from
+SGLANG_ALGO = "sglang-gpu"
 ACTIONS = ("checksum", "snapshot", "reset_tensors", "compare")
-_RANK_KEYS = ("rank", "global_rank", "world_rank")
-_COORD_KEYS = {"dp": "dp_rank", "pp": "pp_rank", "tp": "tp_rank", "ep": "ep_rank"}
-_HEX = re.compile(r"^[0-9a-fA-F]+$")
+SELECTORS = ("target", "draft", "all")
+_INFO_FIELDS = ("role", "tp_rank", "tp_size", "dp_rank", "dp_size", "pp_rank", "pp_size", "rank", "size")
+_HEX16 = re.compile(r"^[0-9a-f]{16}$")
+_MISMATCH = re.compile(r"name=(\S+) max_abs_err=")
+_MISSING = f"this SGLang has no /weights_checker with a checksum action (wcviz reads SGLang {SGLANG_VERSION}'s)"
 
 
 def sglang_request(
     base_url: str,
     action: str,
     *,
+    token: str | None = None,
+    selector: str = "all",
+    skip: Sequence[str] | None = None,
+    allow_quant_error: bool = False,
     client: httpx.Client | None = None,
     transport: httpx.BaseTransport | None = None,
     timeout_s: float = 120.0,
-) -> dict[str, Any]:
-    """POST ``{"action": action}`` to ``/weights_checker`` once; the JSON answer.
+) -> tuple[bool, dict[str, Any]]:
+    """POST one action to ``/weights_checker``; ``(success, body)``: HTTP 200 is success, 400 SGLang's failure.
 
-    Raises :class:`EngineEndpointError` (``kind`` missing, unreachable or failed) when the
-    engine as a whole did not answer as assumed. Sent once, never retried: actions mutate.
+    Sent once, never retried: actions mutate. Raises :class:`EngineEndpointError` when
+    the engine gave no such answer (``missing``, ``refused``, ``unreachable``, ``failed``).
     """
     if action not in ACTIONS:
         raise ValueError(f"unknown weights_checker action {action!r}; choose one of {', '.join(ACTIONS)}")
-    if timeout_s <= 0:
-        raise ValueError("timeout_s must be > 0")
-    if client is not None and transport is not None:
-        raise ValueError("give client or transport, not both")
-    url = f"{str(base_url).rstrip('/')}/weights_checker"
-    own = client is None
-    http = client if client is not None else httpx.Client(transport=transport)
-    try:
-        resp = http.post(url, json={"action": action}, timeout=timeout_s)
-    except httpx.TimeoutException as e:
-        raise EngineEndpointError(f"POST {url} ({action}) got no answer within {timeout_s} s", "unreachable") from e
-    except httpx.TransportError as e:
-        raise EngineEndpointError(f"POST {url} ({action}): {one_line(e)}", "unreachable") from e
-    finally:
-        if own:
-            http.close()
-    if resp.status_code == 404:
-        raise EngineEndpointError(
-            f"POST {url} answered 404: this SGLang server has no weight checker (a version without "
-            "/weights_checker); see docs/engines.md for the request wcviz assumes",
-            "missing",
-        )
-    if resp.status_code != 200:
-        raise EngineEndpointError(f"weights_checker {action!r} failed: HTTP {resp.status_code}: {message_of(resp)}")
-    try:
-        body = resp.json()
-    except ValueError:
-        raise EngineEndpointError(f"weights_checker {action!r} did not answer JSON: {resp.text[:200]!r}") from None
-    if not isinstance(body, dict):
-        raise EngineEndpointError(f"weights_checker {action!r} did not answer a JSON object: {str(body)[:200]}")
-    return body
+    if selector not in SELECTORS:
+        raise ValueError(f"unknown selector {selector!r}; choose one of {', '.join(SELECTORS)}")
+    if skip is not None and (isinstance(skip, str) or not all(isinstance(s, str) and s for s in skip)):
+        raise TypeError("skip must be a list of non-empty name substrings (SGLang's skip_tensor_list) or None")
+    body = {"action": action, "allow_quant_error": bool(allow_quant_error), "skip_tensor_list": list(skip) if skip is not None else None, "selector": selector}
+    status, data = engine_request(
+        "POST", f"{str(base_url).rstrip('/')}/weights_checker", what=f"weights_checker {action!r}", body=body,
+        token=token, client=client, transport=transport, timeout_s=timeout_s, missing_hint=_MISSING, answered=(200, 400),
+    )  # fmt: skip
+    if not isinstance(data.get("success"), bool) or not isinstance(data.get("message"), str):
+        raise EngineEndpointError(f"weights_checker {action!r} answered {str(data)[:200]}, not {{'success': bool, 'message': str}} (SGLang {SGLANG_VERSION})")
+    if data["success"] != (status == 200):
+        raise EngineEndpointError(f"weights_checker {action!r} answered HTTP {status} with success={data['success']}: not SGLang {SGLANG_VERSION}'s answer")
+    return data["success"], data
 
 
-def _per_rank(body: dict[str, Any], action: str) -> list[Any]:
-    results = body.get("results")
-    if isinstance(results, list) and results:
-        return results
-    if body.get("success") is False:
-        raise EngineEndpointError(f"weights_checker {action!r} failed: {body.get('message') or str(body)[:200]}")
-    raise EngineEndpointError(
-        f"weights_checker {action!r} answered without per-rank results ({str(body)[:200]}); wcviz assumes "
-        "{'results': [{'parallelism_info': {...}, ...}, ...]} (see docs/engines.md)"
-    )
+def sglang_compare_mismatches(message: str) -> list[str]:
+    """The parameter names SGLang's failed ``compare`` lists in its message (``name=<name> max_abs_err=...``)."""
+    return _MISMATCH.findall(message)
 
 
-def _parallel_identity(result: Any) -> dict[str, Any]:
-    """role, rank, dp, pp, tp, ep (and host) from one rank's ``parallelism_info``."""
-    info = result.get("parallelism_info") if isinstance(result, dict) else None
-    if not isinstance(info, dict):
-        raise Failed(f"a result without parallelism_info: {str(result)[:200]}")
-    ident: dict[str, Any] = {"role": "engine"}
-    rank = next((info[k] for k in _RANK_KEYS if info.get(k) is not None), None)
-    for col, value in (("rank", rank), *((c, info.get(k)) for c, k in _COORD_KEYS.items())):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-            raise Failed(f"parallelism_info has a non-integer {col}: {value!r}")
-        ident[col] = value
-    if all(ident[c] is None for c in IDENTITY):
-        raise Failed(f"parallelism_info names no rank coordinate (tp_rank, pp_rank, dp_rank, ep_rank, rank): {str(info)[:200]}")
-    host = info.get("host") or info.get("hostname")
-    ident["host"] = str(host) if host is not None else None
-    return ident
+def _overall(checksums: dict[str, str]) -> str:
+    """SGLang's ``overall_checksum``: sha256 over each sorted name and its checksum, UTF-8."""
+    h = hashlib.sha256()
+    for name in sorted(checksums):
+        h.update(name.encode())
+        h.update(checksums[name].encode())
+    return h.hexdigest()
 
 
-def _checksum_rows(result: dict[str, Any], ident: Mapping[str, Any], phase: str, regex: Callable[[str], bool] | None) -> list[dict[str, Any]]:
-    sums = result.get("checksums")
+def _infos(entry: dict[str, Any]) -> list[dict[str, Any]]:
+    """A rank's ``parallelism_info``, one dict per role (the older single dict is a list of one)."""
+    info = entry.get("parallelism_info")
+    infos = [info] if isinstance(info, dict) else info
+    if not isinstance(infos, list) or not infos:
+        raise Failed(f"no parallelism_info: {str(entry)[:200]}")
+    for i in infos:
+        if not isinstance(i, dict):
+            raise Failed(f"parallelism_info holds {str(i)[:100]!r}, not an object")
+        for k in _INFO_FIELDS[1:]:
+            v = i.get(k)
+            if not isinstance(v, int) or isinstance(v, bool):
+                raise Failed(f"parallelism_info has no integer {k}: {str(i)[:200]}")
+        if not isinstance(i.get("role", "target"), str):
+            raise Failed(f"parallelism_info has a non-string role: {i.get('role')!r}")
+    return infos
+
+
+def _identity(info: dict[str, Any]) -> dict[str, Any]:
+    """A rank's identity from its ``parallelism_info``. ``rank`` is numbered across DP: SGLang's ``rank`` is the
+    rank in its own process group, and DP replicas (``dp_size`` 1: no attention DP) each have their own, so a
+    replica's ranks are offset by ``dp_rank * size`` - vLLM's numbering, ``(dp * pp_size + pp) * tp_size + tp``."""
+    rank = info["rank"] + (info["dp_rank"] * info["size"] if info["dp_size"] == 1 else 0)
+    return {"role": "engine", "rank": rank, "dp": info["dp_rank"], "pp": info["pp_rank"], "tp": info["tp_rank"], "ep": None}
+
+
+def _label(base: str, ident: dict[str, Any]) -> str:
+    return f"{base} dp={ident['dp']} pp={ident['pp']} tp={ident['tp']}"
+
+
+def _rank_rows(
+    base: str, entry: Any, phase: str, algo: str, keep: Callable[[str], bool] | None
+) -> tuple[tuple[str, dict[str, Any], dict[str, Any], Any], dict[str, Any]]:
+    """One ``ranks`` entry: its collected table and the ``parallelism_info`` its identity comes from.
+
+    Every role on the GPU (the target and its drafts) is the same rank: one table, the
+    draft's rows under SGLang's own keys (``draft.<name>``), the roles in its info.
+    """
+    if not isinstance(entry, dict):
+        raise Failed(f"a ranks entry is {str(entry)[:200]!r}, not an object")
+    infos = _infos(entry)
+    where = {(i["rank"], i["dp_rank"], i["pp_rank"], i["tp_rank"], i["dp_size"], i["size"]) for i in infos}
+    if len(where) > 1:
+        raise Failed(f"its roles claim different ranks: {str(infos)[:200]}")
+    sums = entry.get("checksums")
     if not isinstance(sums, dict):
-        raise Failed(f"no checksums in this rank's result: {str(result)[:200]}")
-    rows = []
-    for name, value in sums.items():
-        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-            value = format(value, "x")
-        if not isinstance(value, str) or not _HEX.match(value):
-            raise Failed(f"checksum of {name!r} is not hex: {value!r}")
-        if regex is None or regex(str(name)):
-            rows.append({"name": str(name), "digest": value.lower(), "algo": SGLANG_ALGO, "phase": phase, **ident})
-    return rows
+        raise Failed(f"no checksums object: {str(entry)[:200]}")
+    bad = [k for k, v in sums.items() if not isinstance(v, str) or not _HEX16.match(v)]
+    if bad:
+        raise Failed(f"{len(bad)} checksum(s) are not 16 lowercase hex: {', '.join(map(str, bad[:3]))}")
+    if entry.get("per_gpu_checksum") != _overall(sums):
+        raise Failed("per_gpu_checksum is not the sha256 of its checksums: the answer was altered or cut short")
+    roles = [str(i.get("role", "target")) for i in infos]
+    drafts = tuple(r + "." for r in roles if r != "target")
+    if "target" not in roles and drafts and not all(k.startswith(drafts) for k in sums):
+        raise Failed(f"checksum keys without a role prefix ({', '.join(drafts)}) but no target role answered")
+    info = infos[0]
+    ident = _identity(info)
+    label = _label(base, ident)
+    rows = [{"name": n, "digest": v, "algo": algo, "phase": phase, **ident} for n, v in sums.items() if keep is None or keep(n)]
+    meta = {**info, "roles": roles, "params": len(sums)}
+    return (label, ident, meta, rows_frame(rows, ident, label, "weights_checker")), info
+
+
+def _not_reported(base: str, infos: list[dict[str, Any]], answered: set[tuple[Any, ...]]) -> list[dict[str, Any]]:
+    """Ranks the answering ones' sizes imply but that gave nothing: later pipeline stages, a TP rank that is absent."""
+    out = []
+    seen: set[tuple[Any, ...]] = set()
+    for info in infos:
+        dp_size, tp_size, size = info["dp_size"], info["tp_size"], info["size"]
+        attn_tp = tp_size // dp_size if dp_size > 1 and tp_size % dp_size == 0 else None  # attention DP splits the TP group
+        for pp in range(info["pp_size"]):
+            for tp in range(tp_size):
+                dp = tp // attn_tp if attn_tp else info["dp_rank"]
+                key = (dp, pp, tp)
+                if key in answered or key in seen:
+                    continue
+                seen.add(key)
+                why = (
+                    f"not reported: SGLang {SGLANG_VERSION}'s weights checker answers from pipeline stage 0 only"
+                    if pp > 0 else f"not reported: tp_size is {tp_size} but this TP rank is not among SGLang's ranks"
+                )  # fmt: skip
+                rank = pp * tp_size + tp + (info["dp_rank"] * size if dp_size == 1 else 0)  # SGLang: pp_rank * tp_size + tp_rank
+                ident = {"role": "engine", "rank": rank, "dp": dp, "pp": pp, "tp": tp}
+                out.append({"url": _label(base, ident), "kind": "unreachable", "error": why, **ident})
+    return out
 
 
 def from_sglang(
     base_url: str,
     *,
+    token: str | None = None,
+    selector: str = "all",
+    skip: Sequence[str] | None = None,
+    algo: str = SGLANG_ALGO,
     client: httpx.Client | None = None,
     transport: httpx.BaseTransport | None = None,
     timeout_s: float = 120.0,
     phase: str = "current",
     name: str | None = None,
 ) -> FetchResult:
-    """Every rank's checksums (action ``checksum``) as a digest table with algorithm ``sglang``.
+    """Every rank's checksums from a running SGLang's own ``/weights_checker`` (see the module doc).
 
-    ``name`` is a regex kept parameters must match (applied here: SGLang checksums
-    everything). ``dtype``, ``shape`` and ``nbytes`` are unknown (NA). Raises
-    :class:`EngineEndpointError` only for a missing endpoint (404); every other failure
-    is reported (see :class:`FetchResult`): a rank whose result is malformed or says
-    ``success: false`` has a row in ``failed`` with the identity its ``parallelism_info`` gives.
+    One row per (rank, role, parameter), ``algo`` ``sglang-gpu`` (give ``sglang-cpu`` for
+    an engine on CPU); ``dtype``, ``shape`` and ``nbytes`` are unknown (NA). ``name``: a
+    regex kept names must match (applied here). A rank whose entry does not hold up (its
+    ``per_gpu_checksum`` is checked) is ``failed``; ranks the sizes imply but that did not
+    answer (pipeline stages after the first) are ``unreachable``, and a failed answer
+    adds an engine-wide ``failed`` row with SGLang's message: the result is then never
+    complete. Raises :class:`EngineEndpointError` only for a missing route or a refused
+    token.
     """
-    regex = name_filter(name)
+    if algo not in ("sglang-gpu", "sglang-cpu"):
+        raise ValueError(f"SGLang's checksums are sglang-gpu (a CUDA engine) or sglang-cpu, not {algo!r}")
+    keep = name_filter(name)
     base = str(base_url).rstrip("/")
     try:
-        results = _per_rank(sglang_request(base, "checksum", client=client, transport=transport, timeout_s=timeout_s), "checksum")
+        ok, data = sglang_request(base, "checksum", token=token, selector=selector, skip=skip, client=client, transport=transport, timeout_s=timeout_s)
     except EngineEndpointError as e:
-        if e.kind == "missing":
+        if e.kind in ("missing", "refused"):
             raise
         return assemble([], [{"url": base, "kind": e.kind, "error": str(e)}])
-    collected, failed = [], []
-    for i, result in enumerate(results):
-        ident: dict[str, Any] = {}
-        label = f"{base} result {i}"
+    failed: list[dict[str, Any]] = []
+    if not ok:
+        failed.append({"url": base, "kind": "failed", "error": f"SGLang's checksum failed: {data['message'] or '(no message)'}"})
+    ranks = data.get("ranks")
+    if ranks is None:
+        ranks = []
+        if ok:
+            failed.append({"url": base, "kind": "failed", "error": f"checksum answered success without ranks (not SGLang {SGLANG_VERSION}'s answer): {str(data)[:200]}"})
+    if not isinstance(ranks, list):
+        return assemble([], [*failed, {"url": base, "kind": "failed", "error": f"ranks is {type(ranks).__name__}, not a list"}])
+    per_gpu = [r.get("per_gpu_checksum") if isinstance(r, dict) else None for r in ranks]
+    if ranks and data.get("per_engine_checksum") is not None and all(isinstance(p, str) for p in per_gpu):
+        if data["per_engine_checksum"] != hashlib.sha256("".join(per_gpu).encode()).hexdigest():  # type: ignore[arg-type]
+            failed.append({"url": base, "kind": "failed", "error": "per_engine_checksum is not the sha256 of the ranks' per_gpu_checksum: the answer was altered"})
+    collected: list[Any] = []
+    infos: list[dict[str, Any]] = []
+    for i, entry in enumerate(ranks):
         try:
-            ident = _parallel_identity(result)
-            label = target_label(base, ident)
-            if result.get("success") is False:
-                raise Failed(f"checksum failed on this rank: {result.get('message') or 'no message'}")
-            rows = _checksum_rows(result, ident, phase, regex)
-            collected.append((label, ident, dict(result["parallelism_info"]), rows_frame(rows, ident, label, "checksum")))
+            got, info = _rank_rows(base, entry, phase, algo, keep)
+            collected.append(got)
+            infos.append(info)
         except Failed as e:
-            failed.append({"url": label, "kind": "failed", "error": str(e), **ident})
+            failed.append({"url": f"{base} ranks[{i}]", "kind": "failed", "error": str(e)})
+    answered = {(ident["dp"], ident["pp"], ident["tp"]) for _, ident, _, _ in collected}
+    failed += _not_reported(base, infos, answered)
     return assemble(collected, failed, filtered=name is not None)
 
 
@@ -182,45 +270,44 @@ def sglang_action(
     base_url: str,
     action: str,
     *,
+    token: str | None = None,
+    selector: str = "all",
+    skip: Sequence[str] | None = None,
+    allow_quant_error: bool = False,
     client: httpx.Client | None = None,
     transport: httpx.BaseTransport | None = None,
     timeout_s: float = 120.0,
 ) -> ActionResult:
-    """Run ``snapshot``, ``reset_tensors`` or ``compare`` on every rank; each rank's answer or error.
+    """Run ``snapshot``, ``reset_tensors`` or ``compare`` on the whole engine; one target, the engine's URL.
 
-    ``answers``/``errors`` are keyed by a per-rank label (``<base_url> tp=1 pp=0 ...``);
-    a failure of the whole request is one error under ``base_url`` (a 404 raises
-    :class:`EngineEndpointError`). For ``compare``, a rank that found a mismatch
-    answers ``success: false`` and is an error, with SGLang's message.
+    HTTP 200 (``success`` true, no payload) acknowledges the action for every rank; 400
+    is an engine-wide failure with SGLang's message (a ``compare`` that found
+    differences names them; :func:`sglang_compare_mismatches` reads them out). No answer
+    is ``unreachable``. ``reset_tensors`` writes random values into every weight:
+    DESTRUCTIVE; ``snapshot`` keeps a host copy of every weight in SGLang until a
+    ``compare`` succeeds. Raises :class:`EngineEndpointError` for a missing route or a
+    refused token.
     """
     if action not in ACTIONS or action == "checksum":
         raise ValueError(f"unknown action {action!r}; choose snapshot, reset_tensors or compare (checksums: from_sglang)")
     base = str(base_url).rstrip("/")
+    out = ActionResult(action, (base,))
     try:
-        results = _per_rank(sglang_request(base, action, client=client, transport=transport, timeout_s=timeout_s), action)
+        ok, data = sglang_request(
+            base, action, token=token, selector=selector, skip=skip, allow_quant_error=allow_quant_error,
+            client=client, transport=transport, timeout_s=timeout_s,
+        )  # fmt: skip
     except EngineEndpointError as e:
-        if e.kind == "missing":
+        if e.kind in ("missing", "refused"):
             raise
-        out = ActionResult(action, (base,), errors={base: str(e)})
+        out.record(base, e)
         if e.kind == "unreachable":
             out.unreachable.add(base)
         return out
-    labelled: list[tuple[str, Any, str | None]] = []
-    for i, result in enumerate(results):
-        try:
-            label, error = target_label(base, _parallel_identity(result)), None
-            if result.get("success") is False:
-                error = f"{action} failed on this rank: {result.get('message') or 'no message'}"
-        except Failed as e:
-            label, error = f"{base} result {i}", str(e)
-        labelled.append((label, result, error))
-    labels = [lb for lb, _, _ in labelled]
-    out = ActionResult(action, tuple(labels))
-    for label, result, error in labelled:
-        if labels.count(label) > 1:
-            error = f"{labels.count(label)} results claim the same rank"
-        if error is None:
-            out.answers[label] = result
-        else:
-            out.errors[label] = error
+    if ok:
+        out.answers[base] = data
+    elif action == "compare" and not data["message"]:
+        out.errors[base] = "SGLang's compare failed without a message: no snapshot was taken (or it was used by an earlier compare)"
+    else:
+        out.errors[base] = f"{action} failed: {data['message'] or '(no message)'}"
     return out

@@ -224,16 +224,33 @@ def _collect(call: Call, where: str, kwargs: dict[str, str], name: str | None) -
 
 
 def _never_reached(where: str, infos: list[Any], known: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Ranks below the workers' ``world_size`` that no worker claimed: collective_rpc never reached them."""
-    sizes = {i["world_size"] for i in infos if isinstance(i, dict) and isinstance(i.get("world_size"), int)}
+    """Ranks below the workers' ``world_size`` that no worker claimed: collective_rpc never reached them.
+
+    With data parallelism (a worker's info says ``dp_size`` > 1) the usual cause is vLLM
+    itself: its ``collective_rpc`` answers with DP engine 0's workers only, so the
+    other replicas' ranks are named with their ``dp`` and that reason.
+    """
+    good = [i for i in infos if isinstance(i, dict)]
+    sizes = {i["world_size"] for i in good if isinstance(i.get("world_size"), int)}
     if not sizes:
         return []
     world = max(sizes)
     seen = {ident["rank"] for ident in known}
     roles = {ident["role"] for ident in known}
     role = roles.pop() if len(roles) == 1 else None
+    dp_sizes = {i["dp_size"] for i in good if isinstance(i.get("dp_size"), int) and not isinstance(i.get("dp_size"), bool)}
+    dp_size = max(dp_sizes) if dp_sizes else 1
+    replica = world // dp_size if dp_size > 1 and world % dp_size == 0 else None
     msg = f"no answer: the workers' world_size is {world} but collective_rpc reached {len(seen)} of them"
-    return [{"url": f"{where} rank {r}", "kind": "unreachable", "error": msg, "role": role, "rank": r} for r in range(world) if r not in seen]
+    if replica is not None:
+        msg += (
+            f"; with data parallelism ({dp_size} replicas) vLLM's collective_rpc returns DP engine 0's workers only "
+            "(vLLM 0.33 call_utility_async): from_vllm_weight_checker reaches every replica"
+        )
+    return [
+        {"url": f"{where} rank {r}", "kind": "unreachable", "error": msg, "role": role, "rank": r, "dp": r // replica if replica else None}
+        for r in range(world) if r not in seen
+    ]  # fmt: skip
 
 
 def _digest_kwargs(name: str | None, algo: str, phase: str) -> dict[str, str]:

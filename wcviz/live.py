@@ -1,0 +1,200 @@
+"""Expected against live, read-only: does a running engine hold what a checkpoint and a topology say it must?
+
+:func:`verify_engine` cuts the trainer's checkpoint the way the engine lays it out
+(:mod:`wcviz.layouts`), digests every rank's expected shard in the engine's own
+checksum algorithm (``vllm-sha256``, ``sglang-gpu``), asks the engine's own checker
+what each rank holds (:func:`wcviz.sources.from_vllm_weight_checker`,
+:func:`wcviz.sources.from_sglang`) and compares. Nothing is reset, nothing of wcviz is
+installed in the engine: it catches what an end-state check cannot, the persistent
+bugs - a loader that always takes the wrong TP shard, a replica still serving an old
+step - in production.
+
+Ranks are matched by ``dp``, ``pp``, ``tp`` and the name (each engine numbers its
+global ranks its own way; a rank's place in the topology is what both sides agree on).
+A rank that did not answer is ``unreachable`` - its expected rows are not ``missing``,
+nothing about them is known - and SGLang's draft-model rows are left out (a trainer's
+checkpoint is the target model's).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from wcviz._errors import WcvizError
+
+__all__ = ["ENGINES", "LiveReport", "checkpoint_config", "verify_engine"]
+
+ENGINES = ("auto", "vllm", "sglang")
+_ALGO = {"vllm": "vllm-sha256", "sglang": "sglang-gpu"}
+_FAMILY = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "mixtral": "mixtral"}  # config.json model_type -> family
+
+
+@dataclass
+class LiveReport:
+    """What :func:`verify_engine` found: ``verdicts`` (:func:`wcviz.compare`'s frame, ``unreachable`` rows for
+    ranks that did not answer), the ``fetch`` from the engine, the ``expected`` frame, and what was assumed."""
+
+    engine: str
+    url: str
+    verdicts: pd.DataFrame
+    fetch: Any
+    expected: pd.DataFrame
+    assumed: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        """True only when every rank answered and every expected parameter matches."""
+        return bool(len(self.verdicts)) and self.fetch.complete and bool((self.verdicts["status"] == "match").all())
+
+    @property
+    def summary(self) -> str:
+        """The verdicts' summary line, then the ranks that did not answer and what was assumed."""
+        from wcviz.verdicts import summary
+
+        lines = [f"{self.engine} at {self.url} against the checkpoint: {summary(self.verdicts)}"]
+        if not self.fetch.complete:
+            lines.append(f"  {self.fetch.summary}")
+        lines.append("  assumed: " + ", ".join(f"{k}={v}" for k, v in self.assumed.items()))
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.summary
+
+
+def checkpoint_config(path: str | Path) -> dict[str, Any]:
+    """The checkpoint's ``config.json`` (beside a file, or in a directory), or ``{}`` when it has none."""
+    p = Path(path)
+    cfg = (p if p.is_dir() else p.parent) / "config.json"
+    if not cfg.is_file():
+        return {}
+    try:
+        data = json.loads(cfg.read_text())
+    except (OSError, ValueError) as e:
+        raise WcvizError(f"{cfg}: not readable JSON ({e})") from None
+    return data if isinstance(data, dict) else {}
+
+
+def _engine_dtype(config: Mapping[str, Any], dtype: str | None) -> str | None:
+    """What the engine serves: ``dtype`` as given, or with ``auto`` vLLM's rule (config ``torch_dtype``; float32 -> bfloat16)."""
+    if dtype not in (None, "auto"):
+        return dtype
+    said = config.get("torch_dtype") or config.get("dtype")
+    if not isinstance(said, str):
+        return None
+    return "bfloat16" if said in ("float32", "float") else said
+
+
+def _which_engine(url: str, net: Mapping[str, Any]) -> str:
+    """``vllm`` when ``/get_world_size`` answers (dev mode), else ``sglang`` when ``/weights_checker`` does."""
+    from wcviz.sources import EngineEndpointError, vllm_world_size
+
+    try:
+        vllm_world_size(url, token=net.get("token"), client=net.get("client"), transport=net.get("transport"), timeout_s=min(float(net.get("timeout_s", 30)), 30.0))
+        return "vllm"
+    except EngineEndpointError as e:
+        if e.kind == "unreachable":
+            raise
+    return "sglang"
+
+
+def verify_engine(
+    url: str,
+    checkpoint: str | Path | Mapping[str, Any],
+    *,
+    tp: int,
+    pp: int = 1,
+    dp: int = 1,
+    ep: int = 1,
+    family: str | None = None,
+    engine: str = "auto",
+    heads: int | None = None,
+    kv_heads: int | None = None,
+    dtype: str | None = "auto",
+    vocab_padding: int = 64,
+    tie_embeddings: bool | None = None,
+    token: str | None = None,
+    timeout_s: float = 120.0,
+    client: Any = None,
+    transport: Any = None,
+    **layout: Any,
+) -> LiveReport:
+    """Compare what a running vLLM or SGLang holds, rank by rank, with ``checkpoint`` cut for ``tp``/``pp``/``dp``/``ep``.
+
+    ``checkpoint``: a safetensors file or directory (its ``config.json`` gives ``family``,
+    ``heads``, ``kv_heads``, ``tie_embeddings`` and the served ``dtype`` unless given) or
+    a state dict. ``engine``: ``vllm`` (its ``/weight_checker``, dev mode), ``sglang``
+    (``/weights_checker``, ``token`` = its admin key) or ``auto``. ``layout``: more
+    options of :func:`wcviz.layouts.expected_frame`. Read-only.
+    """
+    import torch
+
+    from wcviz.layouts import detect_family, expected_frame
+    from wcviz.sources import from_sglang, from_vllm_weight_checker
+    from wcviz.verdicts import compare, worst_first
+
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
+    net: dict[str, Any] = {"token": token, "timeout_s": timeout_s, "client": client, "transport": transport}
+    config = checkpoint_config(checkpoint) if isinstance(checkpoint, (str, Path)) else {}
+    if family is None:
+        family = _FAMILY.get(str(config.get("model_type", "")))
+    if family is None:
+        from wcviz.layouts import checkpoint_weights
+
+        names = checkpoint_weights(checkpoint) if isinstance(checkpoint, (str, Path)) else checkpoint
+        family = detect_family(list(names))
+    heads = heads if heads is not None else config.get("num_attention_heads")
+    kv_heads = kv_heads if kv_heads is not None else config.get("num_key_value_heads", heads)
+    if not isinstance(heads, int) or not isinstance(kv_heads, int):
+        raise WcvizError("the checkpoint has no config.json with num_attention_heads: give heads= (and kv_heads=)")
+    if tie_embeddings is None and isinstance(config.get("tie_word_embeddings"), bool):
+        tie_embeddings = config["tie_word_embeddings"]
+    served = _engine_dtype(config, dtype)
+    which = _which_engine(url, net) if engine == "auto" else engine
+    algo = _ALGO[which]
+    expected = expected_frame(
+        checkpoint, family, tp=tp, pp=pp, dp=dp, ep=ep, heads=heads, kv_heads=kv_heads, vocab_padding=vocab_padding,
+        tie_embeddings=tie_embeddings, dtype=getattr(torch, served) if served else None, algo=algo, **layout,
+    )  # fmt: skip
+    if which == "vllm":
+        fetched = from_vllm_weight_checker(url, **net)
+        actual = fetched.frame
+    else:
+        fetched = from_sglang(url, algo=algo, **net)
+        drafts = tuple({f"{r}." for info in fetched.infos.values() for r in info.get("roles", []) if r != "target"})
+        actual = fetched.frame[~fetched.frame["name"].str.startswith(drafts)] if drafts else fetched.frame
+    verdicts = compare(_by_place(expected), _by_place(actual))
+    verdicts = worst_first(_unreachable(verdicts, fetched.failed))
+    assumed = {"family": family, "tp": tp, "pp": pp, "dp": dp, "ep": ep, "heads": heads, "kv_heads": kv_heads,
+               "dtype": served or "as in the checkpoint", "vocab_padding": vocab_padding, "algo": algo}  # fmt: skip
+    return LiveReport(which, str(url).rstrip("/"), verdicts, fetched, expected, assumed)
+
+
+def _by_place(frame: pd.DataFrame) -> pd.DataFrame:
+    """A frame keyed by the rank's place (dp, pp, tp): ``rank`` and ``ep`` set aside, ``role`` one value."""
+    out = frame.drop(columns=[c for c in ("url",) if c in frame]).copy()
+    for c in ("rank", "ep"):
+        out[c] = pd.Series(pd.NA, index=out.index, dtype="Int64")
+    out["role"] = "engine"
+    return out
+
+
+def _unreachable(verdicts: pd.DataFrame, failed: pd.DataFrame) -> pd.DataFrame:
+    """Expected rows of a rank that did not answer are ``unreachable``, not ``missing``."""
+    if not len(failed):
+        return verdicts
+    silent = failed[failed["kind"] != "empty"][["dp", "pp", "tp"]].dropna().drop_duplicates()
+    if not len(silent):
+        return verdicts
+    hit = verdicts[["dp", "pp", "tp"]].merge(silent.assign(_silent=True), on=["dp", "pp", "tp"], how="left")["_silent"]
+    on_silent = pd.Series(hit.notna().to_numpy(), index=verdicts.index) & (verdicts["status"] == "missing")
+    out = verdicts.copy()
+    out.loc[on_silent, "status"] = "unreachable"
+    return out
+
