@@ -26,7 +26,7 @@ NOTEBOOKS_DIR = ROOT / "notebooks"
 SANITIZE = ROOT / "tests" / "nbval_sanitize.cfg"
 NOTEBOOKS = [
     "01_quickstart.ipynb", "02_partial_update.ipynb", "03_topology.ipynb", "04_checksum_cost.ipynb",
-    "05_expected_shards.ipynb",
+    "05_expected_shards.ipynb", "06_your_engine.ipynb",
 ]
 CELL_TIMEOUT_S = 300
 RUN_TIMEOUT_S = 900

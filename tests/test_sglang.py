@@ -339,9 +339,12 @@ def test_endstate_reset_failure_reloads_then_raises_and_failed_reload_says_poiso
 def test_the_fleet_refuses_mutations_unless_allowed() -> None:
     fleet = SglangFleet("http://127.0.0.1:1", None, allow_mutations=False)
     assert "allow_mutations=True" in (fleet.mutation_block() or "")
-    fleet = SglangFleet("http://127.0.0.1:1", None)
+    with pytest.raises(PermissionError, match="allow_mutations=True"):
+        fleet.act("reset")  # refused before anything is sent: nothing listens there anyway
+    assert "allow_mutations=True" in (SglangFleet("http://127.0.0.1:1", lambda: None).mutation_block() or "")
+    fleet = SglangFleet("http://127.0.0.1:1", None, allow_mutations=True)
     assert "no reload given" in (fleet.mutation_block() or "")
-    assert SglangFleet("http://127.0.0.1:1", lambda: None).mutation_block() is None
+    assert SglangFleet("http://127.0.0.1:1", lambda: None, allow_mutations=True).mutation_block() is None
 
 
 def test_per_engine_checksum_is_sglangs() -> None:

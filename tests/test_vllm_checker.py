@@ -53,7 +53,7 @@ def test_checksums_become_rows_under_dp_pp_tp_with_vllms_rank_numbering() -> Non
         assert set(rows["url"]) == {f"{url} dp{d}:pp{p}:pcp0:tp{t}"}
     assert res.frame["nbytes"].isna().all() and res.frame["ep"].isna().all()
     keys = vllm_checksum_keys(res.frame)
-    assert len(keys) == len(res.frame) and f"dp1:pp1:pcp0:tp1:model.norm.weight" in keys
+    assert len(keys) == len(res.frame) and "dp1:pp1:pcp0:tp1:model.norm.weight" in keys
 
 
 def test_a_server_that_reaches_only_its_own_engine_is_not_complete() -> None:
@@ -149,7 +149,7 @@ def test_endstate_clean_reload_passes_with_vllms_compare() -> None:
 def test_dashboard_drives_the_native_fleets() -> None:
     sim = SimVllm(TINY, tp=2)
     with sim as url:
-        state = DashboardState(VllmCheckerFleet(url, sim.load))
+        state = DashboardState(VllmCheckerFleet(url, sim.load, allow_mutations=True))
         assert state.mutation_block is None
         frame = state.fetch()
         assert len(frame) and set(frame["algo"]) == {"vllm-sha256"}
@@ -157,7 +157,7 @@ def test_dashboard_drives_the_native_fleets() -> None:
             state.phase(phase)
         state.compare()
         assert state.verdicts is not None and set(state.verdicts["status"]) == {"unproven"}
-        locked = DashboardState(VllmCheckerFleet(url, sim.load, allow_mutations=False))
+        locked = DashboardState(VllmCheckerFleet(url, sim.load))  # mutations are opt-in
         assert "allow_mutations=True" in (locked.mutation_block or "")
         with pytest.raises(PermissionError):
             locked.phase("snapshot")

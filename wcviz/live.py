@@ -9,8 +9,9 @@ installed in the engine: it catches what an end-state check cannot, the persiste
 bugs - a loader that always takes the wrong TP shard, a replica still serving an old
 step - in production.
 
-Ranks are matched by ``dp``, ``pp``, ``tp`` and the name (each engine numbers its
-global ranks its own way; a rank's place in the topology is what both sides agree on).
+Ranks are matched by ``dp``, ``pp``, ``tp`` and the name (a rank's place in the
+topology is what both sides state; the verdicts' ``rank`` is then the layout's,
+vLLM's global numbering).
 A rank that did not answer is ``unreachable`` - its expected rows are not ``missing``,
 nothing about them is known - and SGLang's draft-model rows are left out (a trainer's
 checkpoint is the target model's).
@@ -57,7 +58,7 @@ class LiveReport:
         """The verdicts' summary line, then the ranks that did not answer and what was assumed."""
         from wcviz.verdicts import summary
 
-        lines = [f"{self.engine} at {self.url} against the checkpoint: {summary(self.verdicts)}"]
+        lines = [summary(self.verdicts, title=f"{self.engine} at {self.url} against the checkpoint")]
         if not self.fetch.complete:
             lines.append(f"  {self.fetch.summary}")
         lines.append("  assumed: " + ", ".join(f"{k}={v}" for k, v in self.assumed.items()))
@@ -170,7 +171,7 @@ def verify_engine(
         drafts = tuple({f"{r}." for info in fetched.infos.values() for r in info.get("roles", []) if r != "target"})
         actual = fetched.frame[~fetched.frame["name"].str.startswith(drafts)] if drafts else fetched.frame
     verdicts = compare(_by_place(expected), _by_place(actual))
-    verdicts = worst_first(_unreachable(verdicts, fetched.failed))
+    verdicts = worst_first(_ranked(_unreachable(verdicts, fetched.failed), expected))
     assumed = {"family": family, "tp": tp, "pp": pp, "dp": dp, "ep": ep, "heads": heads, "kv_heads": kv_heads,
                "dtype": served or "as in the checkpoint", "vocab_padding": vocab_padding, "algo": algo}  # fmt: skip
     return LiveReport(which, str(url).rstrip("/"), verdicts, fetched, expected, assumed)
@@ -183,6 +184,13 @@ def _by_place(frame: pd.DataFrame) -> pd.DataFrame:
         out[c] = pd.Series(pd.NA, index=out.index, dtype="Int64")
     out["role"] = "engine"
     return out
+
+
+def _ranked(verdicts: pd.DataFrame, expected: pd.DataFrame) -> pd.DataFrame:
+    """Each verdict's ``rank`` as the layout numbers it (vLLM's global numbering), from its place (dp, pp, tp)."""
+    places = expected[["dp", "pp", "tp", "rank"]].drop_duplicates(["dp", "pp", "tp"])
+    out = verdicts.drop(columns="rank").merge(places, on=["dp", "pp", "tp"], how="left")
+    return out[list(verdicts.columns)]
 
 
 def _unreachable(verdicts: pd.DataFrame, failed: pd.DataFrame) -> pd.DataFrame:

@@ -16,8 +16,10 @@ Two more :class:`wcviz.endstate.Fleet` implementations, run by the same session:
   reload, and SGLang's own ``compare`` against its snapshot beside the verdicts.
 
 :func:`vllm_endstate` and :func:`sglang_endstate` run the whole check and return an
-:class:`EngineEndstate`. Both mutate a live engine (DESTRUCTIVE): a dashboard asks for
-``allow_mutations=True`` on the fleet before its buttons act.
+:class:`EngineEndstate` (calling them is the opt-in). A fleet made by hand mutates a
+live engine (DESTRUCTIVE) only when made with ``allow_mutations=True`` and a ``reload``:
+until then its snapshot, reset and reload raise ``PermissionError`` and a dashboard's
+buttons stay off.
 """
 
 from __future__ import annotations
@@ -71,6 +73,12 @@ class _EngineFleet:
             return "no reload given: the fleet needs reload=<a callable that runs the weight update again>"
         return None
 
+    def _require(self, action: str) -> None:
+        """Refuse ``action`` unless the fleet was made to mutate (and, for the reload, given one)."""
+        block = self.mutation_block()
+        if block is not None:
+            raise PermissionError(f"{action} refused: {block}")
+
     def _learn(self, res: FetchResult, phase: str) -> FetchResult:
         gone = [
             {"url": label, "kind": "unreachable", "error": f"gave no checksums in phase {phase} (it did before)", **ident}
@@ -111,7 +119,7 @@ class VllmCheckerFleet(_EngineFleet):
         *,
         sizes: pd.DataFrame | None = None,
         token: str | None = None,
-        allow_mutations: bool = True,
+        allow_mutations: bool = False,
         timeout_s: float = 120.0,
         client: Any = None,
         transport: Any = None,
@@ -143,6 +151,7 @@ class VllmCheckerFleet(_EngineFleet):
     def act(self, action: str) -> ActionResult:
         from wcviz.sources import vllm_weight_checker
 
+        self._require(action)
         if action == "snapshot":  # vLLM keeps no snapshot: the checksums fetched now are it
             return ActionResult(action, self.targets, answers={t: {} for t in self.targets})
         if action == "reset":
@@ -191,7 +200,7 @@ class SglangFleet(_EngineFleet):
         selector: str = "all",
         skip: Sequence[str] | None = None,
         algo: str = "sglang-gpu",
-        allow_mutations: bool = True,
+        allow_mutations: bool = False,
         timeout_s: float = 120.0,
         client: Any = None,
         transport: Any = None,
@@ -214,6 +223,7 @@ class SglangFleet(_EngineFleet):
     def act(self, action: str) -> ActionResult:
         from wcviz.sources import sglang_action
 
+        self._require(action)
         if action == "reload":
             return self._reload()
         res = sglang_action(self.base, "reset_tensors" if action == "reset" else action, **self.net)
@@ -290,7 +300,9 @@ def vllm_endstate(
     coverage provable. DESTRUCTIVE. A failed reload raises
     :class:`wcviz.endstate.EngineLeftPoisoned` (the engine then serves zeros).
     """
-    fleet = VllmCheckerFleet(base_url, reload, sizes=sizes, token=token, timeout_s=timeout_s, client=client, transport=transport)
+    fleet = VllmCheckerFleet(
+        base_url, reload, sizes=sizes, token=token, allow_mutations=True, timeout_s=timeout_s, client=client, transport=transport,
+    )  # fmt: skip
     return _native(fleet, compare, allow_partial_reset, progress)
 
 
@@ -319,6 +331,7 @@ def sglang_endstate(
     :class:`wcviz.endstate.EngineLeftPoisoned`.
     """
     fleet = SglangFleet(
-        base_url, reload, token=token, selector=selector, skip=skip, algo=algo, timeout_s=timeout_s, client=client, transport=transport,
+        base_url, reload, token=token, selector=selector, skip=skip, algo=algo, allow_mutations=True, timeout_s=timeout_s,
+        client=client, transport=transport,
     )  # fmt: skip
     return _native(fleet, compare, allow_partial_reset, progress)

@@ -1,0 +1,64 @@
+"""What the engines' own checksums cost on the CPU, side by side in one process.
+
+    python benchmarks/engine_digests.py [--mib 256] [--repeat 5]
+
+One bf16 tensor of ``--mib`` MiB, best of ``--repeat``: ``sglang-gpu`` (SGLang's Triton
+tensor hash) in wcviz's compiled numba kernel, in its vectorised torch path (what runs
+on CUDA, here on the CPU) and in the plain numpy transcription the tests hold both to;
+``vllm-sha256`` / ``sglang-cpu`` (hashlib SHA-256 of the bytes, as the engines compute
+them); and wcviz's own ``nemo-rl-v3`` (numba). The reference for the ratios is
+hashlib's SHA-256 over the same bytes: the engines' CPU path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+
+def _best(fn: Callable[[], Any], repeat: int) -> float:
+    fn()  # compile / warm
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--mib", type=int, default=256)
+    ap.add_argument("--repeat", type=int, default=5)
+    args = ap.parse_args()
+
+    import torch
+
+    from wcviz.digest import digest_hex, reference_sglang_gpu
+    from wcviz.digest._engines import sglang_gpu_words
+
+    t = torch.randn(args.mib * (1 << 20) // 2, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    raw = t.view(torch.uint8).numpy()
+    nbytes = raw.nbytes
+    small = raw[: 16 << 20]  # the numpy reference is slow: timed on 16 MiB
+    runs = {
+        "hashlib sha256 (vllm-sha256, sglang-cpu): the reference": (lambda: hashlib.sha256(raw).hexdigest(), nbytes),
+        "sglang-gpu, numba kernel (wcviz on CPU)": (lambda: digest_hex(t, algo="sglang-gpu"), nbytes),
+        "sglang-gpu, torch path (what runs on CUDA)": (lambda: sglang_gpu_words(t), nbytes),
+        "sglang-gpu, numpy transcription (16 MiB)": (lambda: reference_sglang_gpu(small), small.nbytes),
+        "nemo-rl-v3, numba": (lambda: digest_hex(t, backend="numba"), nbytes),
+    }
+    print(f"{args.mib} MiB bf16, best of {args.repeat}, {os.cpu_count()} CPU(s), torch {torch.__version__}")
+    ref = None
+    for label, (fn, n) in runs.items():
+        gbps = n / _best(fn, args.repeat) / 1e9
+        ref = gbps if ref is None else ref
+        print(f"  {label:<58} {gbps:6.2f} GB/s  {gbps / ref:5.2f}x")
+
+
+if __name__ == "__main__":
+    main()
