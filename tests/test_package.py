@@ -19,7 +19,7 @@ def test_public_names() -> None:
         "ALGORITHMS", "BACKENDS", "COLUMNS", "Digest", "tensor_digest", "digest_hex", "digest_many", "compare_digests",
         "from_module", "from_state_dict", "from_safetensors", "compare", "read_table", "write_table",
         "WcvizError", "DigestError", "AlgorithmMismatch", "CheckpointError", "TableError", "GatherError", "__version__",
-        "fetch", "check_agents",
+        "fetch", "check_agents", "verify_engine",
     }
     for name in wcviz.__all__:
         assert getattr(wcviz, name) is not None, name

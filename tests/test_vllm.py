@@ -459,3 +459,21 @@ def test_a_worker_that_released_its_weights_is_empty_not_a_pass() -> None:
     assert "1 empty" in res.summary
     filtered = from_vllm_llm(FakeLLM(workers()), name="^no-such-parameter$")
     assert filtered.complete and len(filtered.frame) == 0  # a filter that matches nothing is not an empty rank
+
+
+def test_extension_lists_a_tied_parameter_once_as_vllms_checker_and_expected_frame_do() -> None:
+    """vLLM 0.33 weight_checksum.py walks model.named_parameters(): a tied head once, under the embedding's name."""
+
+    class Tied(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = torch.nn.Module()
+            self.model.embed_tokens = torch.nn.Embedding(8, 4)
+            self.lm_head = torch.nn.Linear(4, 8, bias=False)
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    w = SimWorker(0)
+    w.model_runner = types.SimpleNamespace(model=Tied())
+    rows = w.wcviz_digests()["rows"]
+    assert [r["name"] for r in rows] == ["model.embed_tokens.weight"]
+    assert w.wcviz_info()["params"] == 1

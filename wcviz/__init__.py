@@ -26,6 +26,7 @@ _EXPORTS = {
     "compare": "wcviz.verdicts",
     "fetch": "wcviz.sources",
     "check_agents": "wcviz.endstate",
+    "verify_engine": "wcviz.live",
     "GatherError": "wcviz._errors",
     "read_table": "wcviz.frame",
     "write_table": "wcviz.frame",
@@ -58,6 +59,7 @@ __all__ = [
     "from_module",
     "from_safetensors",
     "from_state_dict",
+    "verify_engine",
     "read_table",
     "tensor_digest",
     "write_table",
@@ -70,6 +72,7 @@ if TYPE_CHECKING:
     from wcviz.verdicts import compare
     from wcviz.digest import ALGORITHMS, BACKENDS, Digest, compare_digests, digest_hex, digest_many, tensor_digest
     from wcviz.frame import COLUMNS, read_table, write_table
+    from wcviz.live import verify_engine
     from wcviz.sources import fetch, from_module, from_safetensors, from_state_dict
 
 

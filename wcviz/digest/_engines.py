@@ -158,8 +158,12 @@ def _sglang_gpu_host(raw: np.ndarray) -> int:
 # --------------------------------------------------------------------------- on a CUDA device
 
 
-def sglang_gpu_words(t: torch.Tensor, chunk_words: int = 1 << 26) -> int:
-    """``sglang-gpu`` of a tensor on its device (CUDA), in vectorised torch, ``chunk_words`` at a time; one sync."""
+def sglang_gpu_words(t: torch.Tensor, chunk_words: int = 1 << 22) -> int:
+    """``sglang-gpu`` of a tensor on its device (CUDA), in vectorised torch, ``chunk_words`` at a time; one sync.
+
+    A chunk of 4 Mi words keeps the temporaries near 200 MB of device memory: an engine's
+    GPU is nearly full, and a check must not be what runs it out of memory.
+    """
     import torch
 
     from wcviz.digest._lanes import logical_bytes

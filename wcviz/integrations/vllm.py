@@ -208,8 +208,9 @@ class WcvizWorkerExtension:
         return model
 
     def _wcviz_named(self) -> list[tuple[str, torch.Tensor]]:
-        # Tied parameters under every name, as wcviz.sources.from_module lists them.
-        return list(self._wcviz_model().named_parameters(remove_duplicate=False))
+        # A tied parameter once, under its first name, as vLLM's own /weight_checker lists it
+        # (named_parameters()): one rule for every engine source, and expected_frame's default.
+        return list(self._wcviz_model().named_parameters())
 
     def _wcviz_identity(self) -> dict[str, Any]:
         coords, source = worker_coords(self)

@@ -37,10 +37,10 @@ family's ``legacy_names``; the boundary is approximate, see
 checkpoint names and the layout are the same, so two families would fit the
 same weights and :func:`detect_family` could not choose. A tied head is listed as the reporter lists it,
 ``tied_names=`` (:data:`TIED_NAMES`): ``"once"`` (the default: vLLM's
-``/weight_checker`` walks ``named_parameters()``, which yields a shared tensor
-once, as ``model.embed_tokens.weight``) or ``"both"`` (wcviz's vLLM worker
-extension walks ``named_parameters(remove_duplicate=False)``: ``lm_head.weight``
-too, the same tensor, on the last stage). ``moe_w13_order=`` (:data:`W13_ORDERS`)
+``/weight_checker`` and wcviz's vLLM worker extension walk ``named_parameters()``,
+which yields a shared tensor once, as ``model.embed_tokens.weight``) or ``"both"``
+(``named_parameters(remove_duplicate=False)``, as :func:`wcviz.sources.from_module`
+lists a module: ``lm_head.weight`` too, the same tensor, on the last stage). ``moe_w13_order=`` (:data:`W13_ORDERS`)
 is ``"w1w3"`` (FusedMoE as loaded) or ``"w3w1"`` (vLLM's FlashInfer CUTLASS MoE
 backend, which swaps each expert's halves after loading). An unknown value of
 any of them is a :class:`LayoutError` listing the known ones.

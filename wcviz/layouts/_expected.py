@@ -276,10 +276,10 @@ def expected_shards(
     (:data:`~wcviz.layouts.NAMES`): ``"vllm>=0.25"`` as the rules name them
     (Mixtral's ``experts.routed_experts.w13_weight``), ``"vllm<0.25"`` before the
     MoERunner refactor (``experts.w13_weight``). ``tied_names`` says how a tied
-    head is listed: ``"once"`` as vLLM's ``/weight_checker`` does
-    (``named_parameters()``: the embedding's name only), ``"both"`` as wcviz's
-    vLLM worker extension does (``named_parameters(remove_duplicate=False)``:
-    ``lm_head.weight`` too, the same tensor, on the last stage).
+    head is listed: ``"once"`` as vLLM's ``/weight_checker`` and wcviz's
+    worker extension do (``named_parameters()``: the embedding's name only), ``"both"``
+    as ``named_parameters(remove_duplicate=False)`` does (:func:`wcviz.sources.from_module`):
+    ``lm_head.weight`` too, the same tensor, on the last stage.
     ``moe_w13_order="w3w1"`` gives FusedMoE ``w13_weight`` as vLLM's FlashInfer
     CUTLASS backend holds it, each expert's halves swapped. Errors are
     :class:`LayoutError` and name the tensor, dim, size or option that does not fit.
