@@ -251,14 +251,14 @@ def test_drilldown_text_per_case() -> None:
     assert drilldown_text(frames, _layer(0)) == lines(
         "model.layers.0.mlp.down_proj.weight (nemo-rl-v3)",
         "rank        snapshot    reset       reload",
-        f"r0 pp0 tp0  00000002 .  {POISONED[:8]} U  ffffffff C",
-        f"r1 pp0 tp1  00000006 .  {POISONED[:8]} U  00000006 .",
-        "legend: . same as snapshot  U equal to the reset (unwritten)  C a third value (corrupted)",
+        f"r0 pp0 tp0  00000002 .  {POISONED[:8]} r  ffffffff C",
+        f"r1 pp0 tp1  00000006 .  {POISONED[:8]} r  00000006 .",
+        "legend: . same as snapshot  r the reset pattern (as the reset should leave it)  C a third value (corrupted)",
     )
     assert drilldown_text(frames, HEAD).splitlines()[2:] == [
-        f"r0 pp0 tp0  00000004 .  {POISONED[:8]} U  00000004 .",
-        f"r1 pp0 tp1  00000008 .  {POISONED[:8]} U  -",
-        "legend: . same as snapshot  U equal to the reset (unwritten)  - absent",
+        f"r0 pp0 tp0  00000004 .  {POISONED[:8]} r  00000004 .",
+        f"r1 pp0 tp1  00000008 .  {POISONED[:8]} r  -",
+        "legend: . same as snapshot  r the reset pattern (as the reset should leave it)  - absent",
     ]
 
 
@@ -282,9 +282,10 @@ def test_drilldown_colours_per_case(tmp_path: Path) -> None:
     rgba = image.to_rgba(image.get_array())
     colours = [[to_hex(rgba[i, j]) for j in range(3)] for i in range(2)]
     match, unwritten = DRILLDOWN_COLORS["match"].lower(), DRILLDOWN_COLORS["unwritten"].lower()
+    reset = DRILLDOWN_COLORS["reset"].lower()  # neutral: the reset column holds what a reset leaves
     assert colours == [
-        [match, unwritten, match],  # r0: reloaded
-        [match, unwritten, unwritten],  # r1: never written
+        [match, reset, match],  # r0: reloaded
+        [match, reset, unwritten],  # r1: never written (the one alarming cell)
     ]
     corrupted = plot_drilldown(frames, _layer(0)).axes[0].images[0]
     assert to_hex(corrupted.to_rgba(corrupted.get_array())[0, 2]) == COLORS["corrupted"].lower()
@@ -292,7 +293,7 @@ def test_drilldown_colours_per_case(tmp_path: Path) -> None:
     assert [t.get_text() for t in ax.get_xticklabels()] == ["snapshot", "reset", "reload"]
     assert [t.get_text() for t in ax.get_yticklabels()] == ["r0 pp0 tp0", "r1 pp0 tp1"]
     assert [t.get_text() for t in ax.texts] == ["00000003", POISONED[:8], "00000003", "00000007", POISONED[:8], POISONED[:8]]
-    assert _legend(fig) == ["same as snapshot", "equal to the reset (unwritten)"]
+    assert _legend(fig) == ["same as snapshot", "the reset pattern (as the reset should leave it)", "equal to the reset (unwritten)"]
     fig.savefig(tmp_path / "drill.png")
     assert _is_png(tmp_path / "drill.png")
 

@@ -50,6 +50,7 @@ def rank_label(row: Mapping[str, Any], style: str = "rank") -> str:
     - ``role``: ``engine 3 (pp=0 tp=1)`` (the URL without a rank; problems of a check);
     - ``role rank``: ``engine rank 3 (pp=0 tp=1)`` (a process of the simulated cluster);
     - ``compact``: ``r3 pp0 tp1`` (grid columns);
+    - ``short``: ``rank 3 (pp0 tp1)`` (a status line);
     - ``coords``: ``(rank=3 pp=0 tp=1)`` (error messages about table rows).
     """
     rank = _int(row.get("rank"))
@@ -58,6 +59,10 @@ def rank_label(row: Mapping[str, Any], style: str = "rank") -> str:
     if style == "compact":
         pieces = [f"{_PREFIX[c]}{v}" for c, v in (("rank", rank), *coords.items()) if v is not None]
         return " ".join(pieces) or "(no rank)"
+    if style == "short":
+        where = " ".join(f"{_PREFIX[c]}{v}" for c, v in coords.items() if v is not None)
+        at = f"rank {rank}" if rank is not None else ""
+        return (f"{at} ({where})" if at and where else at or where) or "(no rank)"
     if style == "coords":
         everything = " ".join(f"{c}={v}" for c, v in (("rank", rank), *coords.items()) if v is not None)
         return f"({everything or 'no coordinates'})"
@@ -74,5 +79,5 @@ def rank_label(row: Mapping[str, Any], style: str = "rank") -> str:
     elif style == "role rank":
         who = f"{role} rank {rank}" if role else f"rank {rank}"
     else:
-        raise ValueError(f"unknown rank label style {style!r}; choose rank, role, role rank, compact or coords")
+        raise ValueError(f"unknown rank label style {style!r}; choose rank, role, role rank, compact, short or coords")
     return who + (f" ({shown})" if shown else "")

@@ -37,7 +37,7 @@ from __future__ import annotations
 import pandas as pd
 
 from wcviz._errors import AlgorithmMismatch, TableError
-from wcviz._text import listing, plural, rank_label
+from wcviz._text import SHOWN, listing, plural, rank_label
 from wcviz.frame import IDENTITY, check_identities, check_unique_keys, validate
 
 __all__ = [
@@ -161,12 +161,13 @@ def _ids(v: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame({c: (v[c] if c in v else pd.Series(pd.NA, index=v.index, dtype="Int64")) for c in IDENTITY})
 
 
-def status_parts(verdicts: pd.DataFrame, *, name_ranks: bool = True) -> list[str]:
+def status_parts(verdicts: pd.DataFrame, *, name_ranks: bool = True, style: str = "rank", most: int = SHOWN) -> list[str]:
     """Each status that occurs, worst first: ``2 unwritten on 1 rank (rank 1 (pp=0 tp=1))``, ..., ``40 match``.
 
     ``name_ranks``: name the ranks (and a rank absent after a reload) and give whole-rank
     statuses their own form (``1 rank unreachable (rank 2 (tp=2): did not answer)``);
-    without it, every status is a count of rows and of the ranks they are on.
+    without it, every status is a count of rows and of the ranks they are on. ``style``: how a
+    rank is named (:func:`wcviz._text.rank_label`); ``most``: ranks named before ``+N more``.
     """
     v = verdicts.reset_index(drop=True)
     ids = _ids(v)
@@ -190,14 +191,14 @@ def status_parts(verdicts: pd.DataFrame, *, name_ranks: bool = True) -> list[str
         absent = absent_col[hit.to_numpy()].to_numpy()
         labelled = rows.assign(_absent=absent).drop_duplicates(list(IDENTITY)).sort_values(list(IDENTITY), na_position="first")
         labels = [
-            rank_label(r) + (": rank absent after reload" if st not in WHOLE_RANK and bool(r["_absent"]) else "")
+            rank_label(r, style) + (": rank absent after reload" if st not in WHOLE_RANK and bool(r["_absent"]) else "")
             for r in labelled.to_dict(orient="records")
         ]
         named = int(names[hit.to_numpy()].notna().sum())
         if named:
-            parts.append(f"{named:,} {st} on {plural(len(ranks), 'rank')} ({listing(labels)})")
+            parts.append(f"{named:,} {st} on {plural(len(ranks), 'rank')} ({listing(labels, most)})")
         else:  # ranks without rows (dead, empty): no parameter to count
-            parts.append(f"{plural(len(ranks), 'rank')} {st} ({listing(labels)}: {WHOLE_RANK.get(st, st)})")
+            parts.append(f"{plural(len(ranks), 'rank')} {st} ({listing(labels, most)}: {WHOLE_RANK.get(st, st)})")
     return parts
 
 

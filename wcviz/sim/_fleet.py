@@ -33,6 +33,14 @@ class ClusterFleet(AgentFleet):
         self.transport: Any = None  # the last refit's BroadcastResult
         self.notes: list[str] = []
 
+    def stopped(self) -> str | None:
+        """Why no rank can answer (the cluster was stopped), or None while it runs."""
+        return None if self.cluster.running else "the cluster has stopped: start a new one and a new Dashboard"
+
+    def on_stop(self, listener: Any) -> None:
+        """Call ``listener()`` when the cluster stops."""
+        self.cluster.on_stop(listener)
+
     def mutation_block(self, infos: Mapping[str, Mapping[str, Any]], errors: Mapping[str, str]) -> str | None:
         """The cluster says: its engine agents allow mutations iff it was started with ``allow_mutations=True``."""
         return None if self.cluster.allow_mutations else "the cluster was started without allow_mutations=True"

@@ -17,12 +17,13 @@ through ``PR_SET_PDEATHSIG`` - when the driver process is killed outright.
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import shutil
 import socket
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -32,6 +33,8 @@ from wcviz.sim import _worker
 from wcviz.sim._procs import Key, RankProcesses
 from wcviz.sim.engine import EngineLayout, LoaderFaults
 from wcviz.sim.model import TINY, ModelConfig
+
+log = logging.getLogger("wcviz.sim")
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -122,6 +125,7 @@ class Cluster:
         self.workdir: Path | None = Path(workdir) if workdir is not None else None
         self.ranks: dict[Key, RankInfo] = {}
         self._procs = RankProcesses(ClusterError, self._label)
+        self._stop_listeners: list[Callable[[], object]] = []
         self.step_k = 0
         self.checkpoint: Path | None = None
 
@@ -158,11 +162,30 @@ class Cluster:
         return self
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        """Stop every rank (politely, then SIGTERM, then SIGKILL) and remove the work folder; safe twice."""
+        """Stop every rank (politely, then SIGTERM, then SIGKILL) and remove the work folder; safe twice.
+
+        Whoever asked with :meth:`on_stop` (a dashboard over this cluster) is told once it has stopped.
+        """
+        was_running = bool(self._procs)
         self._procs.stop(timeout_s)
         if self.workdir is not None and not self._workdir_given:
             shutil.rmtree(self.workdir, ignore_errors=True)
             self.workdir = None
+        if was_running:
+            for listener in list(self._stop_listeners):
+                try:
+                    listener()
+                except Exception:  # noqa: BLE001 - a listener's failure must not stop the stop
+                    log.exception("a stop listener of %r failed", self)
+
+    @property
+    def running(self) -> bool:
+        """Whether the cluster's processes are up (started, and not stopped since)."""
+        return bool(self._procs)
+
+    def on_stop(self, listener: Callable[[], object]) -> None:
+        """Call ``listener()`` when the cluster stops (a dashboard greys itself out)."""
+        self._stop_listeners.append(listener)
 
     def __enter__(self) -> Cluster:
         if not self._procs:

@@ -10,8 +10,10 @@ columns and ``layer``/``block`` (parsed from ``name`` when absent) are used.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import pandas as pd
 
 from wcviz._errors import TableError
@@ -118,15 +120,29 @@ def _pivot(lay: Grid, values: pd.Series, dtype: str) -> pd.DataFrame:
     return grid
 
 
-def worst_severity(lay: Grid) -> pd.DataFrame:
-    """The grid as severity indices (``Int64``, 0 = worst): what text and plots draw from."""
-    return _pivot(lay, lay.cells.groupby(["part", "rank"], sort=False)["severity"].min(), "Int64")
+def _kept(lay: Grid, keep: Sequence[bool] | pd.Series | None) -> pd.DataFrame:
+    """The grid's cells of the frame rows ``keep`` marks (all of them without it)."""
+    if keep is None:
+        return lay.cells
+    mask = np.asarray(keep, dtype=bool)
+    return lay.cells[mask[lay.cells["row"].to_numpy()]]
 
 
-def nonmatch_counts(lay: Grid) -> pd.DataFrame:
-    """Non-``match`` rows per cell (``Int64``), NA where the rank holds nothing of that part."""
-    bad = (lay.cells["severity"] != SEVERITY.index("match")).astype("int64")
-    return _pivot(lay, bad.groupby([lay.cells["part"], lay.cells["rank"]], sort=False).sum(), "Int64")
+def worst_severity(lay: Grid, keep: Sequence[bool] | pd.Series | None = None) -> pd.DataFrame:
+    """The grid as severity indices (``Int64``, 0 = worst): what text and plots draw from.
+
+    ``keep``: one flag per row of the frame the grid was made from; only those rows count
+    (a cell whose rows are all left out is NA, as one the rank does not hold).
+    """
+    cells = _kept(lay, keep)
+    return _pivot(lay, cells.groupby(["part", "rank"], sort=False)["severity"].min(), "Int64")
+
+
+def nonmatch_counts(lay: Grid, keep: Sequence[bool] | pd.Series | None = None) -> pd.DataFrame:
+    """Non-``match`` rows per cell (``Int64``), NA where the rank holds nothing of that part (or ``keep`` leaves nothing)."""
+    cells = _kept(lay, keep)
+    bad = (cells["severity"] != SEVERITY.index("match")).astype("int64")
+    return _pivot(lay, bad.groupby([cells["part"], cells["rank"]], sort=False).sum(), "Int64")
 
 
 def layer_rank_grid(verdicts: pd.DataFrame) -> pd.DataFrame:

@@ -40,6 +40,7 @@ HEX = 8  # hex characters shown per digest
 # kind -> (text mark, legend): how a cell's digest relates to the rank's snapshot and reset
 DRILLDOWN_KINDS = {
     "match": (".", "same as snapshot"),
+    "reset": ("r", "the reset pattern (as the reset should leave it)"),
     "unwritten": ("U", "equal to the reset (unwritten)"),
     "corrupted": ("C", "a third value (corrupted)"),
     "unknown": ("?", "no snapshot to compare with"),
@@ -47,6 +48,7 @@ DRILLDOWN_KINDS = {
 }
 DRILLDOWN_COLORS = {
     "match": COLORS["match"],
+    "reset": "#DCE3EC",  # neutral blue-grey: the reset column holds the reset pattern, nothing to alarm
     "unwritten": COLORS["unwritten"],
     "corrupted": COLORS["corrupted"],
     "unknown": "#BDBDBD",
@@ -142,6 +144,8 @@ def drilldown(frames: Mapping[str, pd.DataFrame] | pd.DataFrame, name: str) -> D
     snap = digests["snapshot"] if "snapshot" in digests else pd.Series(pd.NA, index=digests.index)
     reset = digests["reset"] if "reset" in digests else pd.Series(pd.NA, index=digests.index)
     kinds = digests.apply(lambda col: pd.Series([_judge(d, s, r) for d, s, r in zip(col, snap, reset)], index=col.index))
+    if "reset" in kinds:  # in the reset phase, holding the reset pattern is what a reset does: neutral, not "unwritten"
+        kinds["reset"] = kinds["reset"].where(kinds["reset"] != "unwritten", "reset")
     algos = sorted(rows["algo"].dropna().astype(str).unique()) if "algo" in rows else []
     return Drilldown(name=name, algos=algos, digests=digests, kinds=kinds.reindex(columns=phases))
 
@@ -154,8 +158,9 @@ def drilldown_text(frames: Mapping[str, pd.DataFrame] | pd.DataFrame, name: str)
     """One parameter's digest per rank (lines) and phase (columns), each ``<8 hex> <mark>``.
 
     Phases run snapshot, reset, reload, then any others in the order given. Marks:
-    ``.`` same as the rank's snapshot, ``U`` equal to its reset (unwritten), ``C`` a
-    third value (corrupted), ``?`` no snapshot to compare with, ``-`` no row.
+    ``.`` same as the rank's snapshot, ``r`` the reset pattern in the reset phase (what
+    a reset leaves), ``U`` equal to its reset after it (unwritten), ``C`` a third value
+    (corrupted), ``?`` no snapshot to compare with, ``-`` no row.
     Raises ``ValueError`` naming an unknown parameter and suggesting close names.
     """
     d = drilldown(frames, name)

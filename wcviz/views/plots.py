@@ -8,6 +8,7 @@ none is left registered and nothing needs a display.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import pandas as pd
@@ -18,7 +19,7 @@ if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
-__all__ = ["COLORS", "NOT_HELD_COLOR", "plot_layer_rank"]
+__all__ = ["COLORS", "FILTERED_COLOR", "NOT_HELD_COLOR", "plot_layer_rank"]
 
 # Okabe-Ito hues where they fit: red and orange are the alarms, black a rank that never answered
 COLORS = {
@@ -34,6 +35,7 @@ COLORS = {
     "match": "#D9E6D9",  # light grey-green
 }
 NOT_HELD_COLOR = "#FFFFFF"
+FILTERED_COLOR = "#F2F2F2"  # a cell whose rows a filter left out: there, but not what is being looked at
 assert set(COLORS) == set(SEVERITY)
 
 _ANNOTATE_BELOW = 400  # cells; above this, counts would not be legible
@@ -64,7 +66,9 @@ def _ink(color: str) -> str:
     return "black" if 0.299 * r + 0.587 * g + 0.114 * b > 0.55 else "white"
 
 
-def plot_layer_rank(verdicts: pd.DataFrame, *, ax: Axes | None = None, title: str | None = None) -> Figure:
+def plot_layer_rank(
+    verdicts: pd.DataFrame, *, ax: Axes | None = None, title: str | None = None, keep: Sequence[bool] | pd.Series | None = None
+) -> Figure:
     """A heatmap of the worst status per (model part, rank); returns the figure drawn on.
 
     Rows are model parts in model order, columns ranks in identity order
@@ -74,14 +78,17 @@ def plot_layer_rank(verdicts: pd.DataFrame, *, ax: Axes | None = None, title: st
     non-``match`` rows in each cell. Tick labels are thinned to what fits, so
     64 ranks × 80 layers stays readable. Draws on ``ax`` when given, else on a
     new :class:`~matplotlib.figure.Figure` sized to the grid (not registered
-    with pyplot).
+    with pyplot). ``keep``: one flag per verdict row, what a filter keeps; cells
+    whose rows are all filtered out are drawn in :data:`FILTERED_COLOR` (light grey,
+    "filtered out"), and counts count the kept rows only.
     """
     from matplotlib.colors import BoundaryNorm, ListedColormap
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch
 
     lay = grid_of(verdicts)
-    worst = worst_severity(lay)
+    held = worst_severity(lay)
+    worst = worst_severity(lay, keep) if keep is not None else held
     n_rows, n_cols = worst.shape
     if ax is None:
         width = min(16.0, max(5.0, 3.5 + 0.22 * n_cols))
@@ -96,8 +103,9 @@ def plot_layer_rank(verdicts: pd.DataFrame, *, ax: Axes | None = None, title: st
         ax.set_axis_off()
         return fig
 
-    colors = [COLORS[s] for s in SEVERITY] + [NOT_HELD_COLOR]
-    codes = worst.fillna(len(SEVERITY)).astype(int).to_numpy()
+    colors = [COLORS[s] for s in SEVERITY] + [NOT_HELD_COLOR, FILTERED_COLOR]
+    codes = worst.fillna(len(SEVERITY)).astype(int).to_numpy().copy()
+    codes[(worst.isna() & held.notna()).to_numpy()] = len(SEVERITY) + 1  # held, but every row filtered out
     cmap = ListedColormap(colors)
     norm = BoundaryNorm([i - 0.5 for i in range(len(colors) + 1)], len(colors))
     ax.imshow(codes, cmap=cmap, norm=norm, aspect="auto", interpolation="nearest")
@@ -117,7 +125,7 @@ def plot_layer_rank(verdicts: pd.DataFrame, *, ax: Axes | None = None, title: st
         ax.set_yticks([i - 0.5 for i in range(1, n_rows)], minor=True)
         ax.grid(which="minor", color="white", linewidth=0.8)
         ax.tick_params(which="minor", length=0)
-        counts = nonmatch_counts(lay).to_numpy()
+        counts = nonmatch_counts(lay, keep).to_numpy()
         for i in range(n_rows):
             for j in range(n_cols):
                 n = counts[i, j]
@@ -125,6 +133,7 @@ def plot_layer_rank(verdicts: pd.DataFrame, *, ax: Axes | None = None, title: st
                     ax.text(j, i, str(int(n)), ha="center", va="center", fontsize=_FONT, color=_ink(colors[codes[i, j]]))
 
     drawn = sorted({int(c) for c in codes.ravel()})
-    handles = [Patch(facecolor=colors[c], edgecolor="#888888", label=SEVERITY[c] if c < len(SEVERITY) else "not held") for c in drawn]
+    extra = {len(SEVERITY): "not held", len(SEVERITY) + 1: "filtered out"}
+    handles = [Patch(facecolor=colors[c], edgecolor="#888888", label=SEVERITY[c] if c < len(SEVERITY) else extra[c]) for c in drawn]
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False, fontsize=8, title="status", title_fontsize=8)
     return fig

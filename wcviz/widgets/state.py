@@ -12,22 +12,22 @@ phase (the progress bar).
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import pandas as pd
 
 from wcviz._text import plural, rank_label
-from wcviz.endstate import EndStateReport, EndStateSession, Fleet, classify, reset_coverage
+from wcviz.endstate import PHASES, EndStateReport, EndStateSession, Fleet, classify, reset_coverage
 from wcviz.frame import IDENTITY
 from wcviz.sources import FetchResult
-from wcviz.verdicts import SEVERITY, compare, status_parts
+from wcviz.verdicts import compare, status_parts
+from wcviz.widgets.filters import ALL, NOT_MATCH, VerdictFilters
 
-__all__ = ["ALL", "NOT_MATCH", "DashboardState"]
+__all__ = ["ALL", "FLOW", "NOT_MATCH", "DashboardState"]
 
-ALL = "all"
-NOT_MATCH = "not match"
+FLOW = ("snapshot", "reset", "reload", "compare")  # the end-state check's steps, in order (numbered 1..4)
+_DOING = {"snapshot": "snapshotting", "reset": "resetting", "reload": "reloading"}
 _FRAME_KINDS = {frozenset({"snapshot", "reset", "reload"}): "endstate", frozenset({"expected", "actual"}): "compare"}
 
 
@@ -73,8 +73,12 @@ def _ranks(df: pd.DataFrame) -> pd.DataFrame:
     return df[cols].drop_duplicates() if cols else pd.DataFrame(index=[0])
 
 
-class DashboardState:
-    """The dashboard without its widgets; see the module docstring. Attributes are the frames a user keeps working with."""
+class DashboardState(VerdictFilters):
+    """The dashboard without its widgets; see the module docstring. Attributes are the frames a user keeps working with.
+
+    What the filters leave (:attr:`table`, the drill-down's parameters, the views' text)
+    is :class:`wcviz.widgets.filters.VerdictFilters`'.
+    """
 
     def __init__(
         self,
@@ -84,8 +88,14 @@ class DashboardState:
         timeout_s: float = 60.0,
         retries: int = 2,
         on_step: Callable[[], None] | None = None,
+        on_change: Callable[[], None] | None = None,
     ) -> None:
         self.on_step = on_step or (lambda: None)
+        self.on_change = on_change or (lambda: None)  # told when the source changes by itself (a cluster stopped)
+        self.stopped: str | None = None  # why no rank can answer any more, once known
+        self.reset_started = False  # a reset was sent in this check (it may have poisoned): Reload is the way back
+        self.activity = ""  # what is happening now, while an action runs
+        self.drill_choice: str | None = None
         self.current: pd.DataFrame | None = None
         self.fetch_result: FetchResult | None = None
         self.frames: dict[str, pd.DataFrame] = {}
@@ -109,8 +119,11 @@ class DashboardState:
             self.fleet = _fleet_of(source, token, {"timeout_s": float(timeout_s), "retries": int(retries)})
             self.kind = "fleet"
             self.token = getattr(self.fleet, "token", token)
-            self.session = EndStateSession(self.fleet, on_step=lambda phase, step: self.on_step())
-            if hasattr(self.fleet, "info"):
+            self.session = EndStateSession(self.fleet, on_step=self._stepped)
+            if callable(getattr(self.fleet, "on_stop", None)):
+                self.fleet.on_stop(self._fleet_stopped)  # type: ignore[attr-defined]
+            self.check_alive()
+            if hasattr(self.fleet, "info") and self.stopped is None:
                 self.infos, self.info_errors = self.fleet.info()
             self.status_text = self.initial_status()
         if self.kind == "verdicts":
@@ -138,46 +151,149 @@ class DashboardState:
     def require(self, action: str, *, mutation: bool = True) -> None:
         if not self.live:
             raise RuntimeError(f"{action} is disabled: frames in memory have no agents to fetch from or act on")
+        if self.stopped is not None:
+            raise RuntimeError(f"{action} is disabled: {self.stopped}")
         block = self.mutation_block if mutation else None
         if block is not None:
             raise PermissionError(f"{action} is disabled: {block}")
+
+    # ---- the flow: 1 Snapshot -> 2 Reset -> 3 Reload -> 4 Compare; Fetch any time ----------------
+
+    def _done(self, step: str) -> bool:
+        return self.verdicts is not None if step == "compare" else step in self.frames
+
+    def step_block(self, step: str) -> str | None:
+        """Why ``step`` (``fetch`` or one of :data:`FLOW`) cannot run now, in words; None when it can."""
+        if step not in ("fetch", *FLOW):
+            raise ValueError(f"unknown step {step!r}; choose fetch or one of {', '.join(FLOW)}")
+        if not self.live:
+            return None if step == "compare" else "frames in memory: there are no agents to fetch from or act on"
+        if self.stopped is not None:
+            return self.stopped
+        if step == "fetch":
+            return None
+        if step != "compare" and self.mutation_block is not None:
+            return self.mutation_block
+        if step == "reset":
+            if "snapshot" not in self.frames:
+                return "take the snapshot first (1 Snapshot): without it nothing can be compared"
+            if self.reset_started:
+                return "this check is reset already: 3 Reload writes the weights back (a new check starts with 1 Snapshot)"
+        if step == "reload":
+            if not self.reset_started:
+                return "reset first (2 Reset): Reload writes back what the reset overwrote"
+            if "reload" in self.frames and self.session is not None and not len(self.session.poisoned):
+                if self.verdicts is None:
+                    return "reloaded: 4 Compare says what it wrote"
+                if bool((self.verdicts["status"] == "match").all()):
+                    return "reloaded, and every weight matches: a new check starts with 1 Snapshot"
+                # verdicts that are not all match: a weight may still hold the reset pattern, so reloading again is valid
+        if step == "compare":
+            todo = [f"{i} {p.capitalize()}" for i, p in enumerate(PHASES, 1) if p not in self.frames]
+            if todo:
+                return f"run {', '.join(todo)} first"
+        return None
+
+    @property
+    def next_step(self) -> str | None:
+        """The step of the flow to take next (the one the dashboard highlights), or None when the check is done."""
+        for step in FLOW:
+            if not self._done(step):
+                return step if self.step_block(step) is None else None
+        return None
+
+    def require_step(self, step: str) -> None:
+        """Raise, saying why, unless ``step`` may run now (:meth:`step_block`)."""
+        why = self.step_block(step)
+        if why is not None:
+            error = PermissionError if why == self.mutation_block else RuntimeError
+            raise error(f"{step} is disabled: {why}")
+
+    # ---- a source that stops -------------------------------------------------------------------
+
+    def _fleet_stopped(self) -> None:
+        self.check_alive()
+        self.on_change()
+
+    def check_alive(self) -> str | None:
+        """Ask the fleet whether it still runs (a cluster knows); what stopped it, or None."""
+        ask = getattr(self.fleet, "stopped", None)
+        why = ask() if callable(ask) else None
+        if why:
+            self.stopped = str(why)
+            self.status_text = f"STOPPED: {self.stopped}; the views show the last results (stale)"
+        return self.stopped
+
+    def _noticed_silence(self, res: FetchResult) -> None:
+        """A fetch in which no rank answered and every one is unreachable: the fleet has stopped."""
+        if res.answered == 0 and len(res.failed) and bool((res.failed["kind"] == "unreachable").all()):
+            self.stopped = f"no rank answers ({plural(len(res.failed), 'rank')} unreachable): the agents or the cluster have stopped"
+
+    def _stepped(self, phase: str, step: str) -> None:
+        """The session finished ``step`` of ``phase``: say what comes next, tick the progress."""
+        n = plural(len(self.targets), "rank")
+        if step == phase:
+            self.activity = f"{_DOING[phase]}: {phase} done, fetching the digests of {n}…"
+        self.on_step()
 
     # ---- actions ---------------------------------------------------------------------------
 
     def fetch(self) -> pd.DataFrame:
         """Every rank's digests now (no mutation); the frame is :attr:`current`."""
-        self.require("fetch", mutation=False)
+        if self.check_alive() is None:
+            self.require_step("fetch")
+        else:
+            self.require("fetch", mutation=False)
         assert self.fleet is not None
+        self.activity = f"fetching the digests of {plural(len(self.targets), 'rank')}…"
         res = self.fleet.digests("current")
         self.on_step()
+        self._noticed_silence(res)
         self.fetch_result, self.current = res, res.frame
         for u, info in res.infos.items():
             self.infos[u] = info
             self.info_errors.pop(u, None)
         kinds = [f"{int((res.failed['kind'] == k).sum())} {k}" for k in ("unreachable", "failed", "empty") if (res.failed["kind"] == k).any()]
         self.status_text = "; ".join([f"fetch: {self._answered(res.answered)}", *kinds, plural(len(res.frame), "parameter")])
+        if self.stopped is not None:
+            self.status_text = f"STOPPED: {self.stopped}; the views show the last results (stale)"
         return res.frame
 
     def phase(self, phase: str) -> pd.DataFrame:
         """Run one phase of the check (``snapshot``, ``reset``, ``reload``) on every rank and fetch its digests."""
-        self.require(phase)
+        self.check_alive()
+        self.require_step(phase)
         assert self.session is not None
-        if phase == "reset" and "snapshot" not in self.session.frames:
-            raise RuntimeError("reset before snapshot: take the snapshot first, or nothing can be compared")
         self.verdicts = self.report = None  # a phase run again makes earlier verdicts stale
         if phase == "snapshot":
             self.transport = None
-        frame = getattr(self.session, phase)()
+            self.reset_started = False
+            self.frames = {}
+        if phase == "reset":
+            self.reset_started = True  # from here on the ranks may hold the reset pattern: Reload is the way back
+        how = "refit" if getattr(self.fleet, "transport", False) is not False else "the weight update"
+        what = {"snapshot": "every rank records its digests", "reset": "overwriting every weight", "reload": how}[phase]
+        self.activity = f"{_DOING[phase]}: {what}, then fetching the digests of {plural(len(self.targets), 'rank')}…"
+        try:
+            frame = getattr(self.session, phase)()
+        finally:
+            self.frames = dict(self.session.frames)
         if phase == "reload":
             self.transport = getattr(self.fleet, "transport", None)
-        self.frames = dict(self.session.frames)
+        fetched = self.session.fetches.get(phase)
+        if fetched is not None:
+            self._noticed_silence(fetched)
         self.current = frame
         self.status_text = self._phase_status(phase)
+        if self.stopped is not None:
+            self.status_text = f"STOPPED: {self.stopped}; {self.status_text}"
         return frame
 
     def compare(self) -> pd.DataFrame:
         """The verdicts: the end-state check's classification, or expected against actual."""
+        self.activity = "comparing…"
         if self.session is not None:
+            self.require_step("compare")
             report = self.session.report()
             report.transport = self.transport
             self.report, self.verdicts = report, report.verdicts
@@ -231,7 +347,7 @@ class DashboardState:
                 nonempty = cov[~cov["empty"].to_numpy() & answered]  # a rank that did not answer is not counted
                 parts.append(f"{int(nonempty['covered'].sum()):,} of {len(nonempty):,} fully reset")
             except Exception as e:  # noqa: BLE001 - the coverage is a hint here; Compare reports the real error
-                parts.append(f"reset coverage unknown ({type(e).__name__})")
+                parts.append(f"reset coverage unknown ({_said(e)})")
         return "; ".join(parts)
 
     def verdict_status(self) -> str:
@@ -253,7 +369,7 @@ class DashboardState:
             labels = ", ".join(sorted({rank_label(r, "role") for r in rep.poisoned.to_dict(orient="records")}))
             parts.insert(0, f"RELOAD FAILED on {labels}: still poisoned")
         named = v[v["name"].notna()] if "name" in v else v
-        findings = status_parts(named[~named["status"].isin(["unreachable", "empty"])], name_ranks=False)
+        findings = status_parts(named[~named["status"].isin(["unreachable", "empty"])], name_ranks=True, style="short", most=3)
         if findings == [f"{len(named):,} match"] and len(named):
             findings = [f"all {len(named):,} parameters match"]
         parts += findings or (["no parameters"] if not len(named) else [])
@@ -276,7 +392,7 @@ class DashboardState:
     @property
     def error_text(self) -> str:
         """What the errors area shows, as plain text: exceptions (oldest first), then rank problems."""
-        lines = [f"{action}: {type(e).__name__}: {e}" for action, e in self.exceptions]
+        lines = [f"{action}: {_said(e)}" for action, e in self.exceptions]
         return "\n".join(lines + self.problem_lines)
 
     def empty_hint(self) -> str:
@@ -288,105 +404,11 @@ class DashboardState:
             return f"no verdicts yet ({', '.join(done)} done): " + ", ".join([*todo, "Compare"])
         return "no verdicts yet: press Compare"
 
-    # ---- what the filters leave ------------------------------------------------------------
 
-    def roles(self, v: pd.DataFrame) -> pd.Series:
-        """The role of each verdict row: its own column, else the role its rank has in the frames."""
-        if "role" in v:
-            return v["role"].astype("string")
-        if "role_actual" in v:
-            return v["role_actual"].fillna(v.get("role_expected")).astype("string")
-        known = [f for f in [*self.frames.values(), self.current] if f is not None and "role" in f and len(f)]
-        cols = [c for c in IDENTITY if c in v]
-        if not known or not cols:
-            return pd.Series(pd.NA, index=v.index, dtype="string")
-        pairs = pd.concat([f[cols + ["role"]] for f in known]).drop_duplicates(cols)
-        merged = v[cols].merge(pairs, on=cols, how="left")["role"]
-        return pd.Series(merged.to_numpy(), index=v.index, dtype="string")
-
-    def role_options(self) -> list[tuple[str, str]]:
-        v = self.verdicts
-        roles: list[str] = []
-        if v is not None:
-            roles = sorted(str(r) for r in self.roles(v).dropna().unique())
-        elif self.current is not None and "role" in self.current:
-            roles = sorted(str(r) for r in self.current["role"].dropna().unique())
-        return [(ALL, ALL)] + [(r, r) for r in roles]
-
-    def status_options(self) -> list[tuple[str, str]]:
-        v = self.verdicts
-        opts = [(ALL, ALL)]
-        if v is not None:
-            counts = v["status"].astype("object").value_counts()
-            opts.append((f"{NOT_MATCH} ({int(len(v) - counts.get('match', 0)):,})", NOT_MATCH))
-            opts += [(f"{s} ({int(counts[s]):,})", s) for s in SEVERITY if s in counts]
-        return opts
-
-    def role_rows(self) -> pd.DataFrame | None:
-        v = self.verdicts
-        if v is None or self.role_filter == ALL:
-            return v
-        return v[(self.roles(v) == self.role_filter).fillna(False).to_numpy()].reset_index(drop=True)
-
-    @property
-    def table(self) -> pd.DataFrame | None:
-        """The verdict rows the table view shows: role, status filter and parameter search applied."""
-        v = self.role_rows()
-        if v is None:
-            return None
-        if self.status_filter == NOT_MATCH:
-            v = v[v["status"] != "match"]
-        elif self.status_filter != ALL:
-            v = v[v["status"] == self.status_filter]
-        text = self.search.strip()
-        if text:
-            try:
-                pattern = re.compile(text)
-                hit = v["name"].map(lambda n: not pd.isna(n) and bool(pattern.search(str(n))))
-            except re.error:  # not a regex: a plain substring
-                hit = v["name"].map(lambda n: not pd.isna(n) and text in str(n))
-            v = v[hit.astype(bool)]
-        return v.reset_index(drop=True)
-
-    @property
-    def drilldown_name(self) -> str | None:
-        """The parameter the drill-down shows: the first (worst) row of :attr:`table` that has a name."""
-        t = self.table
-        if t is None:
-            return None
-        names = t["name"].dropna()
-        return str(names.iloc[0]) if len(names) else None
-
-    def drill_frames(self) -> Mapping[str, pd.DataFrame]:
-        """Digest frames per phase for the drill-down: the frames, else the verdicts' ``digest_<phase>`` columns."""
-        if self.frames:
-            return self.frames
-        v = self.verdicts
-        assert v is not None
-        phases = [c.removeprefix("digest_") for c in v.columns if c.startswith("digest_")]
-        if not phases:
-            raise ValueError("the drill-down needs digests: this verdict frame has no digest_<phase> columns")
-        ids = [c for c in IDENTITY if c in v]
-        return {p: v[ids + ["name", f"digest_{p}"]].rename(columns={f"digest_{p}": "digest"}).dropna(subset=["digest"]) for p in phases}
-
-    def view_text(self, view: str) -> str:
-        """The text form of ``view`` (what the picture shows, for logs and notebook checks)."""
-        from wcviz.views import drilldown_text, layer_rank_text, topology_text
-
-        v = self.role_rows()
-        if v is None:
-            return self.empty_hint()
-        if view == "layer × rank":
-            return layer_rank_text(v)
-        if view == "topology":
-            return str(topology_text(v))
-        if view == "drill-down":
-            name = self.drilldown_name
-            return str(drilldown_text(self.drill_frames(), name)) if name is not None else "no parameter matches the filters"
-        t = self.table
-        assert t is not None
-        cols = [c for c in ("rank", "pp", "tp", "name", "status") if c in t]
-        return t[cols].to_string(index=False) if len(t) else "no verdicts match the filters"
+def _said(e: BaseException) -> str:
+    """What an exception says, for a person: its message (the class name only when it says nothing)."""
+    text = " ".join(str(e).split())
+    return text or type(e).__name__
 
 
 def _no_problems() -> pd.DataFrame:

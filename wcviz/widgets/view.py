@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import html
-import io
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -23,6 +22,7 @@ import ipywidgets as widgets
 import pandas as pd
 
 from wcviz._text import plural
+from wcviz.widgets._area import CLASSES, VIEWS, ViewArea, _classed
 from wcviz.widgets.state import ALL, DashboardState
 
 if TYPE_CHECKING:
@@ -30,25 +30,21 @@ if TYPE_CHECKING:
 
 __all__ = ["CLASSES", "VIEWS", "Dashboard"]
 
-VIEWS = ("layer × rank", "topology", "table", "drill-down")
-_VIEW_ALIASES = {"layer x rank": "layer × rank", "layer-rank": "layer × rank", "heatmap": "layer × rank", "drilldown": "drill-down"}
-TABLE_ROWS = 200  # rows the table view renders; the filtered frame is Dashboard.table
-CLASSES = {
-    name: f"wcviz-{name.replace('_', '-')}"
-    for name in (
-        "dashboard", "fetch", "snapshot", "reset", "reload", "compare", "reset_confirm", "reset_yes", "reset_cancel",
-        "view", "role", "status", "search", "status_line", "progress", "errors", "clear_errors", "view_area", "heatmap",
-        "topology", "drilldown", "table", "empty",
-    )
-}  # fmt: skip
-_VIEW_CLASS = {"layer × rank": "heatmap", "topology": "topology", "drill-down": "drilldown"}  # keys of CLASSES
-_BUTTONS = {  # name: (label, tooltip, icon)
-    "fetch": ("Fetch", "fetch every rank's digests now", "download"),
-    "snapshot": ("Snapshot", "every rank records its digests: starts a new end-state check", "camera"),
-    "reset": ("Reset", "DESTRUCTIVE: poison every weight on every rank (asks first)", "bomb"),
-    "reload": ("Reload", "run the weight update again, then fetch the digests", "refresh"),
-    "compare": ("Compare", "classify the frames into verdicts", "balance-scale"),
+_BUTTONS = {  # name: (label, tooltip, icon); the end-state check's steps are numbered in order, Fetch is free
+    "fetch": ("Fetch", "fetch every rank's digests now (changes nothing)", "download"),
+    "snapshot": ("1 Snapshot", "every rank records its digests: starts a new end-state check", "camera"),
+    "reset": ("2 Reset", "DESTRUCTIVE: overwrite every weight on every rank (asks first)", "bomb"),
+    "reload": ("3 Reload", "run the weight update again, then fetch the digests", "refresh"),
+    "compare": ("4 Compare", "classify the frames into verdicts", "balance-scale"),
 }
+_STARTING = {  # what the status line says as an action starts ({n}: the ranks)
+    "fetch": "fetching the digests of {n}…",
+    "snapshot": "snapshotting: every rank records its digests, then fetching {n}…",
+    "reset": "resetting: overwriting every weight on {n}, then fetching their digests…",
+    "reload": "reloading: the weight update, then fetching {n}…",
+    "compare": "comparing…",
+}
+_ERROR_STYLE = "color:#B2182B;white-space:pre-wrap;word-break:normal;overflow-wrap:normal;overflow-x:auto;margin:0"
 _FRAMES_ONLY = "frames in memory: there are no agents to fetch from or act on"
 
 T = TypeVar("T")
@@ -64,23 +60,12 @@ def _off_loop(fn: Callable[[], T]) -> T:
         return pool.submit(fn).result()
 
 
-def _classed(widget: Any, name: str) -> Any:
-    widget.add_class(CLASSES[name])
-    return widget
-
-
-def _png(fig: Figure) -> bytes:
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png")
-    return buf.getvalue()
-
-
 def _state(name: str, doc: str) -> property:
     """An attribute of the dashboard that is the state's (readable and, for the frames, settable)."""
     return property(lambda self: getattr(self.state, name), lambda self, v: setattr(self.state, name, v), doc=doc)
 
 
-class Dashboard:
+class Dashboard(ViewArea):
     """The dashboard in a notebook: ``Dashboard(cluster)``, ``Dashboard(urls, token=...)``, ``Dashboard(frames)``.
 
     ``source``: a started :class:`wcviz.sim.Cluster`, agent URLs (list, or mapping URL
@@ -115,9 +100,12 @@ class Dashboard:
     def __init__(self, source: Any, *, token: str | None = None, progress: bool = True, timeout_s: float = 60.0, retries: int = 2) -> None:
         self.progress_enabled = bool(progress)
         self._busy = False
+        self._drill_sync = False
         self._figure: Figure | None = None
         self._build()
-        self.state = DashboardState(source, token=token, timeout_s=timeout_s, retries=retries, on_step=self._tick)
+        self.state = DashboardState(
+            source, token=token, timeout_s=timeout_s, retries=retries, on_step=self._tick, on_change=self._source_changed,
+        )  # fmt: skip
         self._refresh_buttons()
         if self.kind in ("endstate", "compare"):
             self._guarded("compare", self.state.compare)
@@ -134,9 +122,11 @@ class Dashboard:
             b = _classed(widgets.Button(description=label, tooltip=tooltip, icon=icon), name)
             b.on_click(lambda _b, n=name: self._click(n))
             self.buttons[name] = b
-        self.buttons["reset"].button_style = "warning"
         self.confirm_text = widgets.HTML()
-        self.reset_yes = _classed(widgets.Button(description="Yes, poison every weight", button_style="danger", icon="bomb"), "reset_yes")
+        wide = widgets.Layout(width="auto")  # the whole label, never cut off
+        self.reset_yes = _classed(
+            widgets.Button(description="Yes, overwrite every weight", button_style="danger", icon="bomb", layout=wide), "reset_yes"
+        )
         self.reset_cancel = _classed(widgets.Button(description="Cancel"), "reset_cancel")
         self.reset_yes.on_click(lambda _b: self._click("reset_yes"))
         self.reset_cancel.on_click(lambda _b: self._click("reset_cancel"))
@@ -147,6 +137,9 @@ class Dashboard:
         self.status = _classed(widgets.Dropdown(options=[ALL], value=ALL, description="status"), "status")
         search = widgets.Text(value="", placeholder="parameter name (regex)", description="parameter", continuous_update=False)
         self.search = _classed(search, "search")
+        drill = widgets.Dropdown(options=[], description="parameter", layout=widgets.Layout(display="none", width="auto"))
+        self.drill = _classed(drill, "drill")
+        self.drill.observe(self._on_drill, names="value")
         self.status_line = _classed(widgets.HTML(), "status_line")
         self.progress = _classed(widgets.IntProgress(value=0, min=0, max=1, layout=widgets.Layout(display="none")), "progress")
         self.errors = _classed(widgets.HTML(layout=widgets.Layout(display="none")), "errors")
@@ -158,36 +151,61 @@ class Dashboard:
         rows = [
             widgets.HBox(list(self.buttons.values())), self.reset_confirm, self.status_line, self.progress,
             widgets.HBox([self.errors, self.clear_button]), widgets.HBox([self.view, self.role, self.status, self.search]),
-            self.view_area,
+            self.drill, self.view_area,
         ]  # fmt: skip
         self.widget = _classed(widgets.VBox(rows), "dashboard")
 
     def _on_choice(self, change: Any) -> None:
-        """A selector or the search changed: hand it to the state, draw again (an action in progress draws once at its end)."""
-        self.state.role_filter, self.state.status_filter, self.state.search = self.role.value, self.status.value, self.search.value
+        """A selector or the search changed: hand it to the state, draw again (an action in progress draws once at its end).
+
+        A parameter filter that is not a regular expression is an error in the errors
+        area; the filter stays what it was.
+        """
+        self.state.role_filter, self.state.status_filter = self.role.value, self.status.value
+        if change["owner"] is self.search:
+            try:
+                self.state.set_search(self.search.value)
+            except ValueError as e:
+                self.exceptions.append(("filter", e))
+                self._show_errors()
+                return
         if self._busy:
             return
-        if change["owner"] in (self.status, self.search) and self.view.value not in ("table", "drill-down"):
-            return  # the status filter and the search narrow the table and the drill-down only
         self._show_view()
         self._show_errors()
 
+    def _on_drill(self, change: Any) -> None:
+        """The drill-down's parameter chosen by a person: draw it (the dashboard's own updates are not a choice)."""
+        if self._drill_sync or change["new"] is None or change["new"] == self.state.drill_choice:
+            return
+        self.state.drill_choice = change["new"]
+        if not self._busy and self.view.value == "drill-down":
+            self._show_view()
+
+    def _source_changed(self) -> None:
+        """The source changed by itself (a cluster stopped): say so, turn the buttons off, mark the view stale."""
+        self._show_status(bad=True)
+        self._refresh_buttons()
+        if not self._busy:
+            self._show_view()
+
     def _refresh_buttons(self) -> None:
-        block = self.mutation_block
+        """Each step on only when it may run now (its tooltip says why not); the next step of the flow highlighted."""
+        nxt = self.state.next_step
         for name, (_, tooltip, _) in _BUTTONS.items():
             b = self.buttons[name]
-            if self._busy:
-                b.disabled = True
-            elif name != "compare" and not self.live:
-                b.disabled, b.tooltip = True, _FRAMES_ONLY
-            elif name not in ("fetch", "compare") and block is not None:
-                b.disabled, b.tooltip = True, f"disabled: {block}"
-            else:
-                b.disabled, b.tooltip = False, tooltip
-        self.reset_yes.disabled = self._busy
+            why = self.state.step_block(name)
+            b.disabled = self._busy or why is not None
+            b.tooltip = tooltip if why is None else f"disabled: {why}"
+            b.button_style = ("danger" if name == "reset" else "primary") if name == nxt and not self._busy else ""
+        self.reset_yes.disabled = self._busy or self.state.step_block("reset") is not None
 
     def _repr_mimebundle_(self, **kwargs: Any) -> Any:
-        return self.widget._repr_mimebundle_(**kwargs)
+        """The live widget, and a static HTML picture of it for where widgets do not run (a saved notebook, GitHub)."""
+        bundle = dict(self.widget._repr_mimebundle_(**kwargs))
+        bundle["text/html"] = self.static_html()
+        bundle["text/plain"] = repr(self)
+        return bundle
 
     def _ipython_display_(self) -> None:
         from IPython.display import display
@@ -222,12 +240,17 @@ class Dashboard:
             return fn(), None
         self._busy = True
         self._refresh_buttons()
-        if steps and self.progress_enabled:
-            self.progress.max, self.progress.value = steps, 0
-            self.progress.description, self.progress.bar_style = action, "info"
-            self.progress.layout.display = None
+        if action == "snapshot":
+            self.exceptions.clear()  # a new check: what failed before it is history
+        if steps:
+            self._show_activity(_STARTING.get(action, f"{action}…").format(n=plural(len(self.state.targets), "rank")))
+            if self.progress_enabled:
+                self.progress.max, self.progress.value = steps, 0
+                self.progress.description, self.progress.bar_style = f"{action} 0/{steps}", "info"
+                self.progress.layout.display = None
         try:
             out = fn()
+            self.exceptions.clear()  # it worked: earlier failures no longer describe the dashboard
             self._show_status()
             self._update_choices()
             self._show_view()
@@ -235,7 +258,7 @@ class Dashboard:
         except Exception as e:  # noqa: BLE001 - shown in the errors area and the status line
             self.exceptions.append((action, e))
             if action != "view":  # a view that fails leaves a note in the view area; the status stays the check's
-                self.state.status_text = f"{action} FAILED: {type(e).__name__}: {e}"
+                self.state.status_text = f"{action} FAILED: {' '.join(str(e).split()) or type(e).__name__}"
                 self._show_status(bad=True)
             return None, e
         finally:
@@ -252,7 +275,15 @@ class Dashboard:
         return out  # type: ignore[return-value]
 
     def _tick(self) -> None:
+        """One step of the action done: the progress bar and the status line say what comes next."""
         self.progress.value = min(self.progress.max, self.progress.value + 1)
+        self.progress.description = f"{self.progress.description.split(' ')[0]} {self.progress.value}/{self.progress.max}"
+        if self.state.activity:
+            self._show_activity(self.state.activity)
+
+    def _show_activity(self, text: str) -> None:
+        """What is happening now, in the status line (blue, until the action's own status replaces it)."""
+        self.status_line.value = f'<span class="wcviz-status-text wcviz-working" style="color:#1f5fa8">{html.escape(text)}</span>'
 
     def clear_errors(self) -> None:
         """Forget the exceptions shown (rank problems stay until their phase runs again)."""
@@ -261,15 +292,14 @@ class Dashboard:
 
     def _show_errors(self) -> None:
         text = self.error_text
-        style = "color:#B2182B;white-space:pre-wrap;margin:0"
-        self.errors.value = f'<pre class="wcviz-error-text" style="{style}">{html.escape(text)}</pre>' if text else ""
+        self.errors.value = f'<pre class="wcviz-error-text" style="{_ERROR_STYLE}">{html.escape(text)}</pre>' if text else ""
         self.errors.layout.display = None if text else "none"
         self.clear_button.layout.display = None if self.exceptions else "none"
 
     def _show_status(self, *, bad: bool | None = None) -> None:
         text = self.status_text
         if bad is None:
-            bad = "FAILED" in text or self.state.bad or (text.startswith("fetch:") and self.fetch_result is not None and not self.fetch_result.complete)
+            bad = "FAILED" in text or "STOPPED" in text or self.state.bad or (text.startswith("fetch:") and self.fetch_result is not None and not self.fetch_result.complete)
         color = "#B2182B" if bad else "inherit"
         self.status_line.value = f'<span class="wcviz-status-text" style="color:{color}">{html.escape(text)}</span>'
 
@@ -288,17 +318,16 @@ class Dashboard:
         """DESTRUCTIVE with ``confirm=True``: poison every weight on every rank (phase ``reset``).
 
         Without ``confirm`` it only opens the confirmation box (``wcviz-reset-confirm``)
-        and changes nothing; its "Yes, poison every weight" button runs ``reset(confirm=True)``.
+        and changes nothing; its "Yes, overwrite every weight" button runs ``reset(confirm=True)``.
         """
 
         def work() -> pd.DataFrame | None:
-            self.state.require("reset")
-            if "snapshot" not in self.state.frames:
-                raise RuntimeError("reset before snapshot: take the snapshot first, or nothing can be compared")
+            self.state.check_alive()
+            self.state.require_step("reset")
             if not confirm:
                 self.confirm_text.value = (
-                    f"<b>Reset poisons every weight on {plural(len(self.state.targets), 'rank')}.</b> "
-                    "They serve the poison pattern until Reload writes the weights again."
+                    f"<b>Reset overwrites every weight on {plural(len(self.state.targets), 'rank')}.</b> "
+                    "They serve the reset pattern until 3 Reload writes the weights again."
                 )
                 self.reset_confirm.layout.display = None
                 return None
@@ -324,86 +353,6 @@ class Dashboard:
     def compare(self) -> pd.DataFrame:
         """The verdicts: the end-state check's classification, or expected against actual."""
         return self._run("compare", self.state.compare, steps=1)
-
-    # ---- views -----------------------------------------------------------------------------
-
-    def set_view(self, name: str) -> None:
-        """Show one of :data:`VIEWS` ("layer × rank", "topology", "table", "drill-down")."""
-        key = _VIEW_ALIASES.get(name, name)
-        if key not in VIEWS:
-            raise ValueError(f"unknown view {name!r}; choose one of {', '.join(VIEWS)}")
-        failed = len(self.exceptions)
-        self.view.value = key  # renders through the observer, which records what fails
-        if len(self.exceptions) > failed:
-            raise self.exceptions[-1][1]
-
-    def _update_choices(self) -> None:
-        """Role and status options from what the frames hold (a value no longer present falls back to all)."""
-        _options(self.role, self.state.role_options())
-        _options(self.status, self.state.status_options())
-        self.state.role_filter, self.state.status_filter = self.role.value, self.status.value
-
-    def _placeholder(self, text: str) -> widgets.HTML:
-        return _classed(widgets.HTML(f"<i>{html.escape(text)}</i>"), "empty")
-
-    def _show_view(self) -> None:
-        """Draw the view; a view that fails is recorded (as ``view``), never as the failure of the action that drew it."""
-        self._figure = None
-        try:
-            self._draw()
-        except Exception as e:  # noqa: BLE001 - shown in the errors area and the view area
-            self.view_area.children = (self._placeholder(f"the {self.view.value} view failed: {type(e).__name__}: {e}"),)
-            self.exceptions.append(("view", e))
-
-    def _draw(self) -> None:
-        from wcviz.views import plot_drilldown, plot_layer_rank, plot_topology, style_verdicts
-
-        view, v = self.view.value, self.state.role_rows()
-        if v is None:
-            self.view_area.children = (self._placeholder(self.state.empty_hint()),)
-            return
-        if view == "table":
-            t = self.table
-            shown = t.head(TABLE_ROWS)
-            caption = f"{len(t):,} of {len(self.verdicts):,} verdicts"
-            if len(t) > len(shown):
-                caption += f"; the first {len(shown):,} shown (all of them: Dashboard.table)"
-            body = style_verdicts(shown, uuid="wcviz-verdicts").to_html() if len(shown) else "<i>no verdicts match the filters</i>"
-            page = f'<div class="wcviz-table-caption">{html.escape(caption)}</div>' + body
-            self.view_area.children = (_classed(widgets.HTML(page), "table"),)
-            return
-        if view == "drill-down":
-            name = self.drilldown_name
-            if name is None:
-                self.view_area.children = (self._placeholder("no parameter matches the filters: change the status or the search"),)
-                return
-            fig = plot_drilldown(self.state.drill_frames(), name)
-        else:
-            fig = plot_layer_rank(v) if view == "layer × rank" else plot_topology(v)
-        self._figure = fig
-        self.view_area.children = (_classed(widgets.Image(value=_png(fig), format="png"), _VIEW_CLASS[view]),)
-
-    @property
-    def figure(self) -> Figure | None:
-        """The matplotlib figure the view area shows (None for the table)."""
-        return self._figure if self.view.value != "table" else None
-
-    @property
-    def view_text(self) -> str:
-        """The text form of the current view (what the picture shows, for logs and notebook checks)."""
-        return self.state.view_text(self.view.value)
-
-
-def _options(dropdown: widgets.Dropdown, options: list[tuple[str, str]]) -> None:
-    """Replace a dropdown's options, keeping its value when it is still offered (one render, not two)."""
-    old = dropdown.value
-    values = [v for _, v in options]
-    if [tuple(o) for o in dropdown.options] == options:
-        return
-    with dropdown.hold_trait_notifications():
-        dropdown.options = options
-        dropdown.value = old if old in values else values[0]
-
 
 def _close_tree(w: widgets.Widget) -> None:
     for child in getattr(w, "children", ()):
