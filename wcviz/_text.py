@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["SHOWN", "listing", "one_line", "plural", "rank_label"]
+__all__ = ["SHOWN", "listing", "one_line", "plural", "rank_label", "size"]
 
 SHOWN = 8  # items a list names before "+N more"
 
@@ -19,6 +19,14 @@ _PREFIX = {"rank": "r", "dp": "dp", "pp": "pp", "tp": "tp", "ep": "ep"}
 def plural(n: int, word: str) -> str:
     """``1 rank``, ``2 ranks``, ``1,500 parameters``."""
     return f"{n:,} {word}{'s' if n != 1 else ''}"
+
+
+def size(nbytes: float) -> str:
+    """``141.0 GB``, ``3.2 MB``, ``512 B``: a byte count a person reads at a glance."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:,.1f} {unit}"
+    return f"{int(nbytes)} B"
 
 
 def listing(items: Sequence[str], shown: int = SHOWN) -> str:

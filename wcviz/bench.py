@@ -260,11 +260,13 @@ def predicted_cost(
 
 def predicted_text(cost: pd.DataFrame) -> str:
     """The prediction as a terminal table: one line per (model, backend, device), predictions marked as such."""
-    lines = [f"{'model':<14} {'backend':<7} {'device':<6} {'tensors':>7} {'GB':>8} {'predicted s':>12} {'measured s':>11}"]
+    from wcviz._text import size
+
+    lines = [f"{'model':<14} {'backend':<7} {'device':<6} {'tensors':>7} {'size':>9} {'predicted s':>12} {'measured s':>11}"]
     for r in cost.itertuples(index=False):
         measured = "-" if math.isnan(r.measured_s) else _secs(r.measured_s)
         lines.append(
-            f"{r.model:<14} {r.backend:<7} {r.device:<6} {r.params:>7} {r.nbytes / 1e9:>8.2f} {_secs(r.predicted_s):>12} {measured:>11}"
+            f"{r.model:<14} {r.backend:<7} {r.device:<6} {r.params:>7} {size(r.nbytes):>9} {_secs(r.predicted_s):>12} {measured:>11}"
         )
     lines.append("predicted = bytes / measured GB/s + tensors x measured per-tensor cost; measured = a whole-model digest here")
     sources = cost.drop_duplicates(["backend", "device"])

@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING
 
 import pandas as pd
 
+from wcviz._text import size
+
 from wcviz._errors import TableError
 
 if TYPE_CHECKING:
@@ -52,13 +54,6 @@ def _checked(cost: pd.DataFrame) -> pd.DataFrame:
     return out
 
 
-def _size(nbytes: float) -> str:
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:,.1f} {unit}"
-    return f"{int(nbytes)} B"
-
-
 def cost_text(cost: pd.DataFrame) -> str:
     """The cost frame as a terminal table: one line per (model, backend), seconds and GB/s last."""
     c = _checked(cost)
@@ -69,7 +64,7 @@ def cost_text(cost: pd.DataFrame) -> str:
         "backend": c["backend"].astype(str),
         "device": c["device"].astype("object").where(c["device"].notna(), "-").astype(str),
         "tensors": c["params"].map(lambda n: "-" if pd.isna(n) else f"{int(n):,}") if "params" in c else "-",
-        "size": c["nbytes"].map(_size),
+        "size": c["nbytes"].map(size),
         "seconds": c["seconds"].map(lambda s: f"{s:.4f}"),
         "GB/s": c["gbps"].map(lambda g: f"{g:.2f}"),
     })
@@ -115,7 +110,7 @@ def _grouped_bars(
         ax.bar_label(bars, labels=labels(mine), fontsize=7, padding=2)
         drawn.append((xs, mine))
     sizes = c.drop_duplicates(group).set_index(group)["nbytes"]
-    ax.set_xticks(range(len(groups)), [f"{m}\n{_size(sizes[m])}" for m in groups], fontsize=8)
+    ax.set_xticks(range(len(groups)), [f"{m}\n{size(sizes[m])}" for m in groups], fontsize=8)
     ax.spines[["top", "right"]].set_visible(False)
     return drawn
 
@@ -126,7 +121,7 @@ def _empty(ax: Axes, text: str) -> None:
 
 
 def plot_cost(cost: pd.DataFrame, *, ax: Axes | None = None) -> Figure:
-    """Grouped bars of checksum throughput (GB/s): a group per model, a bar per backend, seconds on each bar.
+    """Grouped bars of checksum throughput (GB/s, log scale): a group per model, a bar per backend, the time on each bar.
 
     Models keep the frame's order; a backend measured on several devices is one
     bar per device. Draws on ``ax`` when given, else on a new
@@ -134,12 +129,13 @@ def plot_cost(cost: pd.DataFrame, *, ax: Axes | None = None) -> Figure:
     """
     c = _checked(cost)
     n_bars = c["label"].nunique() * max(1, c["series"].nunique())
-    fig, ax = _figure(ax, (min(14.0, max(5.0, 2.5 + 0.66 * n_bars)), 3.6), "checksum cost per model and backend")
+    fig, ax = _figure(ax, (min(14.0, max(5.0, 2.5 + 0.66 * n_bars)), 3.6), "checksum throughput per model and backend (time on each bar)")
     if not len(c):
         _empty(ax, "no measurements")
         return fig
-    _grouped_bars(ax, c, "label", "gbps", lambda rows: [f"{s:.3g} s" for s in rows["seconds"]])
-    ax.set_ylabel("GB/s")
+    _grouped_bars(ax, c, "label", "gbps", lambda rows: [_duration(s) for s in rows["seconds"]])
+    ax.set_yscale("log")  # backends differ by orders of magnitude: on a linear axis the slow one reads as zero
+    ax.set_ylabel("GB/s (log)")
     ax.margins(y=0.15)
     ax.legend(title="backend", fontsize=8, title_fontsize=8, frameon=False)
     return fig

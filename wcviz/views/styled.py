@@ -43,7 +43,7 @@ def style_verdicts(verdicts: pd.DataFrame, *, uuid: str = "wcviz-verdicts", colu
 
     ``columns`` picks and orders the columns shown; by default the identity
     columns the frame uses, ``name``, ``status``, the digest columns of either
-    verdict kind, ``same_as`` and ``host``, where present. Digests show their first
+    verdict kind, ``same_as`` and ``host``, where they hold a value. Digests show their first
     8 hex characters; missing values show as empty. The uuid is fixed, so
     ``to_html()`` gives the same HTML for the same frame in every run.
     """
@@ -55,7 +55,7 @@ def style_verdicts(verdicts: pd.DataFrame, *, uuid: str = "wcviz-verdicts", colu
     if unknown:
         raise TableError(f"column 'status' has {', '.join(unknown)}; expected one of {', '.join(COLORS)}")
     if columns is None:
-        shown = [c for c in STYLE_COLUMNS if c in verdicts and not (c in IDENTITY and verdicts[c].isna().all())]
+        shown = [c for c in STYLE_COLUMNS if c in verdicts and not (c != "status" and verdicts[c].isna().all())]  # nothing to show
     else:
         shown = list(columns)
         missing = [c for c in shown if c not in verdicts]

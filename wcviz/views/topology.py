@@ -300,14 +300,15 @@ def plot_topology(verdicts: pd.DataFrame, *, ax: Axes | None = None, title: str 
 
     top = topology(verdicts)
     n_cols = max(1, len(top.columns))
-    cell_in = max(0.34, min(0.58, 6.0 / n_cols))
-    font = 7.0 if cell_in >= 0.5 else 5.5
+    cell_in = max(0.4, min(0.7, 7.0 / n_cols))
+    font = 8.5 if cell_in >= 0.6 else 7.0
+    one_host = len(top.groups) == 1 and not top.colocated  # no host column to spend room on: the title names it
     tops, gaps = _rows_y(top)
     heights = [ys[-1] + 1.0 for ys in tops]
     panels = _panels(heights, gaps) if top.groups else []
     names = [("unknown" if g.host is None else g.host) for g in top.groups]
     char = font * 0.62 / 72 / cell_in  # one character, in cell widths
-    host_w = max([len(n) for n in names] + [9 if top.colocated else 4]) * char + 0.4
+    host_w = 0.1 if one_host else max([len(n) for n in names] + [9 if top.colocated else 4]) * char + 0.4
     row_w = max(len(r) for g in top.groups for r in g.rows) * char + 0.4 if top.groups else 1.0
     panel_w = host_w + row_w + n_cols + 0.8
     slots = max((sum(heights[g] + (gaps[g] if i else 0.0) for i, g in enumerate(p)) for p in panels), default=1.0)
@@ -318,7 +319,10 @@ def plot_topology(verdicts: pd.DataFrame, *, ax: Axes | None = None, title: str 
         ax = fig.add_subplot()
     else:
         fig = ax.get_figure()  # type: ignore[assignment]  # a SubFigure draws and saves alike
-    ax.set_title(title if title is not None else "engine ranks: worst status per rank", fontsize=10)
+    shown_title = title if title is not None else "engine ranks: worst status per rank"
+    if one_host and names and names[0] != "unknown":
+        shown_title += f" (host {names[0]})"
+    ax.set_title(shown_title, fontsize=10)
     ax.set_axis_off()
     if not top.groups:
         ax.text(0.5, 0.5, "no verdicts", ha="center", va="center", transform=ax.transAxes)
@@ -327,7 +331,8 @@ def plot_topology(verdicts: pd.DataFrame, *, ax: Axes | None = None, title: str 
     for p, members in enumerate(panels):
         left = p * panel_w
         x0 = left + host_w + row_w  # first cell column
-        ax.text(left + 0.1, -0.15, "host", ha="left", va="bottom", fontsize=font, color="#555555", gid="column")
+        if not one_host:
+            ax.text(left + 0.1, -0.15, "host", ha="left", va="bottom", fontsize=font, color="#555555", gid="column")
         for c, name in enumerate(top.columns):
             ax.text(x0 + c + 0.5, -0.15, name, ha="center", va="bottom", fontsize=font, color="#555555", gid="column")
         y = 0.0
@@ -336,8 +341,9 @@ def plot_topology(verdicts: pd.DataFrame, *, ax: Axes | None = None, title: str 
             y += gaps[g] if i else 0.0
             ys = [y + t for t in tops[g]]
             label = names[g] + ("\n+ trainer" if group.colocated else "")
-            ax.text(left + 0.1, (ys[0] + ys[-1] + 1.0) / 2, label, ha="left", va="center", fontsize=font,
-                    fontweight="bold", linespacing=0.95, gid="host")
+            if not one_host:
+                ax.text(left + 0.1, (ys[0] + ys[-1] + 1.0) / 2, label, ha="left", va="center", fontsize=font,
+                        fontweight="bold", linespacing=0.95, gid="host")
             for row, row_y in zip(group.rows, ys):
                 ax.text(x0 - 0.15, row_y + 0.5, row, ha="right", va="center", fontsize=font, gid="row")
             mine = top.cells[top.cells["group"] == g]
@@ -361,6 +367,8 @@ def plot_topology(verdicts: pd.DataFrame, *, ax: Axes | None = None, title: str 
     handles = [Patch(facecolor=COLORS[SEVERITY[s]], edgecolor="#888888", label=SEVERITY[s]) for s in drawn]
     if top.colocated:
         handles.append(Patch(facecolor="none", edgecolor=_COLOCATED_EDGE, linestyle="--", label=COLOCATED))
+    if (top.cells["count"] > 0).any():
+        handles.append(Patch(facecolor="none", edgecolor="none", label="number under a rank:\nits parameters not match"))
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False, fontsize=8,
               title="status", title_fontsize=8)
     return fig
