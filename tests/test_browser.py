@@ -4,15 +4,20 @@ A JupyterLab server starts on 127.0.0.1 (a free port, a token, every Jupyter and
 IPython folder in a temp dir, a ``python3`` kernelspec that is this interpreter) on a
 temp copy of notebooks/02_partial_update.ipynb, so the repo's notebook is never
 autosaved over. Playwright drives Debian's /usr/bin/chromium (it never downloads a
-browser): open the notebook, run every cell above the one tagged
-``dashboard-driven-from-code`` (the cluster comes up, the loader fault is set, the
-dashboard is displayed; the teardown cell at the end does not run), then click
-Snapshot, Reset, "Yes, poison every weight", Reload and Compare, and read the status
-line: the injected fault, exactly (2 unwritten on 1 rank, 40 match), and the
-table view filtered to ``unwritten`` names rank 1 and its two ``mlp.down_proj``. The
-heatmap must be a loaded image, and so must the topology view once selected. The
-dashboard is saved as tests/artifacts/dashboard.png (the topology view as
-dashboard-topology.png, the whole page as lab.png) and checked to be a real PNG.
+browser). First the notebook as saved, before anything runs: both dashboard outputs
+show their static picture (the second with the heatmap), never a raw ``VBox(...)``.
+Then every cell above the one tagged ``dashboard-driven-from-code`` runs (the cluster
+comes up, the loader fault is set, the dashboard is displayed) and the numbered flow is
+driven in order and out of order: only Fetch and 1 Snapshot are on at first (the
+snapshot highlighted); a click on a disabled step does nothing; an invalid parameter
+regex is an error that the next check clears; each step turns the next one on and
+highlights it; the status line says what is happening during the reload; Compare
+names the fault exactly (2 unwritten on rank 1, 40 match) with no error left; the
+status filter changes the heatmap; the table and the drill-down (a chooser, "1 of 2")
+name rank 1's two ``mlp.down_proj``; the topology view draws. Last, the teardown cell
+stops the cluster and the dashboard says STOPPED, turns every button off and marks
+its view stale. A screenshot of each step lands in tests/artifacts/ (dashboard-N-*.png,
+saved-notebook.png, dashboard.png, lab.png).
 
 The server (and with it the kernel and the cluster's processes) is shut down in
 ``finally``; a process left behind fails the test. The test skips only when Chromium
@@ -134,6 +139,10 @@ class Lab:
         (notes / "notification.jupyterlab-settings").write_text(
             json.dumps({"fetchNews": "false", "checkForUpdates": False, "doNotDisturbMode": True})
         )
+        # every cell rendered, not only those in view (JupyterLab 4 windows long notebooks by default)
+        tracker = t / "settings" / "@jupyterlab" / "notebook-extension"
+        tracker.mkdir(parents=True)
+        (tracker / "tracker.jupyterlab-settings").write_text(json.dumps({"windowingMode": "none"}))
         env = {**os.environ, **{k: str(v) for k, v in dirs.items()}, TAG_VAR: self.tag}
         env["JUPYTER_PREFER_ENV_PATH"] = "0"  # the temp data dir's kernelspec before the venv's own python3
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
@@ -241,6 +250,55 @@ def _errors_in_notebook(page) -> str:
     return "\n".join(errs.all_inner_texts())[-3000:]
 
 
+def _run_cell_tagged(page, tag: str) -> None:
+    """Run the one cell tagged ``tag`` (JupyterLab's "Run Selected Cell")."""
+    page.evaluate(
+        """async (tag) => {
+            const app = window.jupyterapp;
+            const nb = app.shell.currentWidget.content;
+            const idx = nb.widgets.findIndex(c => (c.model.getMetadata('tags') || []).includes(tag));
+            if (idx < 0) throw new Error(`no cell tagged ${tag}`);
+            nb.activeCellIndex = idx;
+            await app.commands.execute('notebook:run-cell');
+        }""",
+        tag,
+    )
+
+
+def _enabled(page) -> list[str]:
+    """The dashboard's buttons a person can press now."""
+    names = ["fetch", "snapshot", "reset", "reload", "compare"]
+    return [n for n in names if page.locator(f"button.wcviz-{n}").first.is_enabled()]
+
+
+def _settled(page, enabled: list[str], highlighted: list[str], timeout_s: float = 30.0) -> None:
+    """Wait until the buttons a person can press, and the highlighted ones, are these (the widgets update one by one)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got = (_enabled(page), _highlighted(page))
+        if got == (enabled, highlighted):
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"buttons on {got[0]}, highlighted {got[1]}; expected on {enabled}, highlighted {highlighted}")
+        time.sleep(0.2)
+
+
+def _highlighted(page) -> list[str]:
+    names = ["fetch", "snapshot", "reset", "reload", "compare"]
+    out = []
+    for n in names:
+        cls = page.locator(f"button.wcviz-{n}").first.get_attribute("class") or ""
+        if "mod-primary" in cls or "mod-danger" in cls:
+            out.append(n)
+    return out
+
+
+STEP_SHOTS = (
+    "0-start", "1-snapshot", "2-reset-confirm", "3-reset", "4-reload", "5-compare", "6-filtered-heatmap",
+    "7-table", "8-drilldown", "9-topology", "10-stopped",
+)  # fmt: skip
+
+
 def test_dashboard_in_jupyterlab_chromium(tmp_path):
     missing = _chromium_missing()
     if missing:
@@ -249,12 +307,14 @@ def test_dashboard_in_jupyterlab_chromium(tmp_path):
 
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     (ARTIFACTS / ".gitignore").write_text("*\n")  # screenshots are results, never committed
-    shot, page_shot, topo_shot = (
+    shot, page_shot, topo_shot, saved_shot = (
         ARTIFACTS / "dashboard.png",
         ARTIFACTS / "lab.png",
         ARTIFACTS / "dashboard-topology.png",
+        ARTIFACTS / "saved-notebook.png",
     )
-    for p in (shot, page_shot, topo_shot):
+    steps = {name: ARTIFACTS / f"dashboard-{name}.png" for name in STEP_SHOTS}
+    for p in (shot, page_shot, topo_shot, saved_shot, *steps.values()):
         p.unlink(missing_ok=True)
 
     lab = Lab(tmp_path)
@@ -282,8 +342,24 @@ def test_dashboard_in_jupyterlab_chromium(tmp_path):
                     " && window.jupyterapp.shell.currentWidget.content && window.jupyterapp.shell.currentWidget.sessionContext",
                     timeout=SERVER_START_S * 1000,
                 )
+
+                # the saved notebook, before anything runs: the dashboard's picture, never a raw VBox(...) repr
+                static = page.locator(".wcviz-static")
+                expect(static.first).to_be_visible(timeout=60_000)
+                assert static.count() == 2, "both saved dashboard outputs should show their static picture"
+                assert "static picture of the wcviz dashboard" in static.first.inner_text()
+                outputs = "\n".join(page.locator(".jp-OutputArea-output").all_inner_texts())
+                assert "VBox(children" not in outputs, outputs[:500]
+                after = static.nth(1)
+                after.scroll_into_view_if_needed()
+                assert "2 unwritten on 1 rank" in after.inner_text()
+                picture = after.locator("img")
+                expect(picture).to_be_visible()
+                assert picture.evaluate("img => img.naturalWidth") > 200, "the saved heatmap did not load"
+                after.screenshot(path=str(saved_shot))
+
                 stop_at = _run_cells_above_tag(page, STOP_TAG)
-                dashboard = page.locator(".wcviz-dashboard")
+                dashboard = page.locator(".wcviz-dashboard").first
                 try:
                     dashboard.wait_for(state="visible", timeout=CELLS_S * 1000)
                 except Exception as e:
@@ -293,64 +369,127 @@ def test_dashboard_in_jupyterlab_chromium(tmp_path):
                         f"(kernel: {_kernel_state(page)}); notebook errors:\n{_errors_in_notebook(page)}\n"
                         f"server log:\n{lab.log_tail()}"
                     ) from e
-                status = page.locator(".wcviz-status-line")
-                snapshot = page.locator("button.wcviz-snapshot")
-                expect(snapshot).to_be_enabled()  # the cluster allows mutations: Snapshot, Reset, Reload are on
+                dashboard.scroll_into_view_if_needed()
+                status = dashboard.locator(".wcviz-status-line")
+                errors = dashboard.locator(".wcviz-errors")
 
-                snapshot.click()
+                # the flow as it starts: Fetch and 1 Snapshot, the snapshot highlighted; the rest off, saying why
+                expect(dashboard.locator("button.wcviz-snapshot")).to_be_enabled()
+                _settled(page, ["fetch", "snapshot"], ["snapshot"])
+                assert dashboard.locator("button.wcviz-snapshot").inner_text().strip() == "1 Snapshot"
+                assert "take the snapshot first" in (dashboard.locator("button.wcviz-reset").get_attribute("title") or "")
+                # out of order: a disabled step does nothing when clicked
+                before = status.inner_text()
+                dashboard.locator("button.wcviz-compare").click(force=True)
+                dashboard.locator("button.wcviz-reset").click(force=True)
+                assert not dashboard.locator(".wcviz-reset-confirm").is_visible() and status.inner_text() == before
+                # a parameter filter that is not a regular expression is an error, shown
+                search = dashboard.locator(".wcviz-search input")
+                search.fill("down_proj(")
+                search.press("Enter")
+                expect(errors).to_contain_text("is not a regular expression", timeout=30_000)
+                dashboard.screenshot(path=str(steps["0-start"]))
+
+                # every text the status line shows, in order (what is happening while an action runs)
+                dashboard.evaluate(
+                    """d => { window.__wcvizStatus = [];
+                              const line = d.querySelector('.wcviz-status-line');
+                              new MutationObserver(() => window.__wcvizStatus.push(line.innerText))
+                                .observe(line, {subtree: true, childList: true, characterData: true}); }"""
+                )
+                dashboard.locator("button.wcviz-snapshot").click()
                 expect(status).to_contain_text("snapshot done", timeout=ACTION_S * 1000)
-                page.locator("button.wcviz-reset").click()
-                yes = page.locator("button.wcviz-reset-yes")
+                expect(errors).to_be_hidden()  # a new check: the earlier error is gone
+                _settled(page, ["fetch", "snapshot", "reset"], ["reset"])
+                dashboard.screenshot(path=str(steps["1-snapshot"]))
+
+                dashboard.locator("button.wcviz-reset").click()
+                yes = dashboard.locator("button.wcviz-reset-yes")
                 expect(yes).to_be_visible()
+                fits = yes.evaluate("b => b.scrollWidth <= b.clientWidth + 1")
+                assert fits and "Yes, overwrite every weight" in yes.inner_text(), "the confirm label is cut off"
+                dashboard.screenshot(path=str(steps["2-reset-confirm"]))
                 yes.click()
                 expect(status).to_contain_text("reset done", timeout=ACTION_S * 1000)
-                page.locator("button.wcviz-reload").click()
-                expect(status).to_contain_text("reload done", timeout=ACTION_S * 1000)
-                page.locator("button.wcviz-compare").click()
-                expect(status).to_contain_text("unwritten", timeout=ACTION_S * 1000)
+                _settled(page, ["fetch", "snapshot", "reload"], ["reload"])
+                dashboard.screenshot(path=str(steps["3-reset"]))
 
+                dashboard.locator("button.wcviz-reload").click()
+                expect(status).to_contain_text("reload done", timeout=ACTION_S * 1000)
+                seen = page.evaluate("() => window.__wcvizStatus")
+                assert any("reloading" in t for t in seen), f"the status line never said what was happening: {seen}"
+                assert any("snapshotting" in t for t in seen), seen
+                _settled(page, ["fetch", "snapshot", "compare"], ["compare"])
+                dashboard.screenshot(path=str(steps["4-reload"]))
+
+                dashboard.locator("button.wcviz-compare").click()
+                expect(status).to_contain_text("unwritten", timeout=ACTION_S * 1000)
                 text = status.inner_text()
                 assert "4 of 4 ranks answered" in text, text
-                assert "2 unwritten on 1 rank" in text, text
+                assert "2 unwritten on 1 rank (rank 1 (dp0 pp0 tp1))" in text, text  # the rank, named
                 assert "40 match" in text, text
-                assert not page.locator(".wcviz-errors").is_visible(), page.locator(".wcviz-errors").inner_text()
+                expect(errors).to_be_hidden()  # no error left after a successful run
+                _settled(page, ["fetch", "snapshot", "reload", "compare"], [])  # a weight still holds the reset: Reload stays on
 
-                heatmap = page.locator("img.wcviz-heatmap")
+                heatmap = dashboard.locator("img.wcviz-heatmap")
                 expect(heatmap).to_be_visible()
                 width, height = heatmap.evaluate("img => [img.naturalWidth, img.naturalHeight]")
                 assert width > 200 and height > 100, f"the heatmap did not load ({width}x{height})"
-
-                dashboard.scroll_into_view_if_needed()
+                dashboard.screenshot(path=str(steps["5-compare"]))
                 dashboard.screenshot(path=str(shot))
                 page.screenshot(path=str(page_shot))
 
-                # the same verdicts as the engine's layout: the view selector swaps the picture
-                page.locator(".wcviz-view select").select_option("topology")
-                topo = page.locator("img.wcviz-topology")
-                expect(topo).to_be_visible()
-                assert topo.evaluate("img => img.naturalWidth") > 200
-                dashboard.screenshot(path=str(topo_shot))
+                # the status filter greys the heatmap out where it does not apply
+                unfiltered = heatmap.get_attribute("src")
+                labels = dashboard.locator(".wcviz-status select option").all_inner_texts()
+                dashboard.locator(".wcviz-status select").select_option(label=next(x for x in labels if x.startswith("unwritten")))
+                expect(heatmap).not_to_have_attribute("src", unfiltered or "", timeout=30_000)
+                dashboard.screenshot(path=str(steps["6-filtered-heatmap"]))
 
-                # which rank and which parameters: the table view filtered to the unwritten rows
-                page.locator(".wcviz-view select").select_option("table")
-                labels = page.locator(".wcviz-status select option").all_inner_texts()
-                page.locator(".wcviz-status select").select_option(
-                    label=next(x for x in labels if x.startswith("unwritten"))
-                )
-                table = page.locator(".wcviz-table table")
+                # which rank and which parameters: the table view, filtered to the unwritten rows
+                dashboard.locator(".wcviz-view select").select_option("table")
+                table = dashboard.locator(".wcviz-table table")
                 expect(table.locator("tbody tr")).to_have_count(2, timeout=ACTION_S * 1000)  # the filtered table, re-drawn
                 rows = table.evaluate(
                     """t => { const head = [...t.querySelectorAll('thead th')].map(th => th.innerText.trim());
                               return [...t.querySelectorAll('tbody tr')].map(tr =>
                                 Object.fromEntries([...tr.querySelectorAll('td')].map((td, i) => [head[i], td.innerText.trim()]))); }"""
                 )
-                assert len(rows) == 2, rows
                 assert {r["rank"] for r in rows} == {"1"}, rows
                 assert sorted(r["name"] for r in rows) == [
                     "model.layers.0.mlp.down_proj.weight",
                     "model.layers.1.mlp.down_proj.weight",
                 ], rows
                 assert {r["status"] for r in rows} == {"unwritten"}, rows
+                dashboard.screenshot(path=str(steps["7-table"]))
+
+                # the drill-down: one of the two, chosen
+                dashboard.locator(".wcviz-view select").select_option("drill-down")
+                drill = dashboard.locator(".wcviz-drill select")
+                expect(drill).to_be_visible()
+                options = [o.replace("\xa0", " ") for o in drill.locator("option").all_inner_texts()]
+                assert [o.split("(")[-1] for o in options] == ["1 of 2)", "2 of 2)"], options
+                first = dashboard.locator("img.wcviz-drilldown").get_attribute("src")
+                drill.select_option(index=1)
+                expect(dashboard.locator("img.wcviz-drilldown")).not_to_have_attribute("src", first or "", timeout=30_000)
+                dashboard.screenshot(path=str(steps["8-drilldown"]))
+
+                # the same verdicts as the engine's layout: the view selector swaps the picture
+                dashboard.locator(".wcviz-view select").select_option("topology")
+                topo = dashboard.locator("img.wcviz-topology")
+                expect(topo).to_be_visible()
+                assert topo.evaluate("img => img.naturalWidth") > 200
+                dashboard.screenshot(path=str(topo_shot))
+                dashboard.screenshot(path=str(steps["9-topology"]))
+
+                # the notebook's last cell stops the cluster: the dashboard notices, says so and turns itself off
+                _run_cell_tagged(page, "teardown")
+                expect(status).to_contain_text("STOPPED", timeout=ACTION_S * 1000)
+                expect(dashboard.locator("button.wcviz-fetch")).to_be_disabled()
+                _settled(page, [], [])
+                expect(dashboard.locator(".wcviz-stale")).to_be_visible()
+                dashboard.scroll_into_view_if_needed()
+                dashboard.screenshot(path=str(steps["10-stopped"]))
             finally:
                 browser.close()
     finally:
@@ -360,5 +499,6 @@ def test_dashboard_in_jupyterlab_chromium(tmp_path):
     w, h = _png_size(shot)
     assert w >= 600 and h >= 300, f"{shot} is only {w}x{h}"
     assert shot.stat().st_size > 20_000, f"{shot} is only {shot.stat().st_size} bytes"
-    _png_size(topo_shot)
-    print(f"dashboard screenshot: {shot} ({w}x{h}); topology view: {topo_shot}; the page: {page_shot}")
+    for p in (topo_shot, saved_shot, *steps.values()):
+        _png_size(p)
+    print(f"dashboard screenshots: {', '.join(str(p) for p in steps.values())}; saved notebook: {saved_shot}")

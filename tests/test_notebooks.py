@@ -3,8 +3,8 @@
 One nbval run (a pytest subprocess: ``--nbval-lax --nbval-current-env`` and the
 sanitize file tests/nbval_sanitize.cfg) executes every notebook top to bottom in
 a fresh kernel of ``sys.executable``. In lax mode every code cell must run without
-an error, and the cells marked ``# NBVAL_CHECK_OUTPUT`` (counts, verdicts) must
-reproduce their saved output. Each notebook then gets its own test that finds all
+an error, and the cells tagged ``nbval-check-output`` (counts, verdicts) must
+reproduce their saved output; no test plumbing sits in a cell's source. Each notebook then gets its own test that finds all
 of its cells in the run's JUnit report and passed, so an empty or partial nbval
 run (nothing collected, a notebook skipped) fails instead of passing quietly.
 """
@@ -28,6 +28,7 @@ NOTEBOOKS = [
     "01_quickstart.ipynb", "02_partial_update.ipynb", "03_topology.ipynb", "04_checksum_cost.ipynb",
     "05_expected_shards.ipynb", "06_your_engine.ipynb",
 ]
+CHECK_TAG = "nbval-check-output"  # nbval compares these cells' output with the saved one (under --nbval-lax)
 CELL_TIMEOUT_S = 300
 RUN_TIMEOUT_S = 900
 
@@ -66,10 +67,22 @@ def test_notebook_is_saved_from_a_clean_run(name):
     assert counts == list(range(1, len(cells) + 1)), f"{name}: not saved from one clean run (execution counts {counts})"
     errors = [o for c in cells for o in c.get("outputs", []) if o.get("output_type") == "error"]
     assert not errors, f"{name} was saved with an error output: {errors[0].get('ename')}: {errors[0].get('evalue')}"
-    assert any("NBVAL_CHECK_OUTPUT" in _source(c) for c in cells), f"{name}: no cell's output is checked"
-    for c in cells:
-        if "NBVAL_CHECK_OUTPUT" in _source(c):
-            assert c.get("outputs"), f"{name}: a checked cell was saved without output:\n{_source(c)}"
+    checked = [c for c in cells if CHECK_TAG in c.get("metadata", {}).get("tags", [])]
+    assert checked, f"{name}: no cell's output is checked (tag {CHECK_TAG})"
+    for c in checked:
+        assert c.get("outputs"), f"{name}: a checked cell was saved without output:\n{_source(c)}"
+    plumbing = [_source(c)[:80] for c in nb["cells"] if "NBVAL" in _source(c)]
+    assert not plumbing, f"{name}: test plumbing in a cell's source (use cell tags, e.g. {CHECK_TAG}): {plumbing}"
+
+
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_notebook_ends_with_what_to_do_next(name):
+    last = _load(name)["cells"][-1]
+    assert last["cell_type"] == "markdown", f"{name}: the last cell is not a note on what to do next"
+    text = _source(last)
+    assert text.startswith(("## What next", "## Conclusion")), f"{name}: ends with {text[:60]!r}"
+    if name != "06_your_engine.ipynb":
+        assert "06_your_engine" in text, f"{name}: its next steps do not point to the notebook for a real engine"
 
 
 @pytest.fixture(scope="module")

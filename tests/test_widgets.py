@@ -543,7 +543,7 @@ def test_filters_grey_the_heatmap_and_a_bad_regex_is_an_error(ranks: list[Rank])
     dash.search.value = "down_proj"
     assert dash.state.search == "down_proj" and bytes(_shown(dash).value) != everything
     dash.search.value = "layers.(2"  # not a regular expression: an error, and the filter stays what it was
-    assert dash.state.search == "down_proj"
+    assert dash.state.search == "down_proj" and dash.search.value == "down_proj"
     assert "filter: the parameter filter 'layers.(2' is not a regular expression" in dash.error_text
     dash.set_view("topology")
     assert "do not apply here" in dash.view_area.children[0].value  # said, not silently ignored

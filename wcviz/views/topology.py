@@ -23,6 +23,8 @@ it is). Both verdict kinds are read; only ``status``, the identity columns,
 
 from __future__ import annotations
 
+import textwrap
+
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -322,7 +324,8 @@ def plot_topology(verdicts: pd.DataFrame, *, ax: Axes | None = None, title: str 
     shown_title = title if title is not None else "engine ranks: worst status per rank"
     if one_host and names and names[0] != "unknown":
         shown_title += f" (host {names[0]})"
-    ax.set_title(shown_title, fontsize=10)
+    fits = max(20, int(fig.get_size_inches()[0] * 72 / (10 * 0.62)))  # characters of a 10 pt title across the figure
+    ax.set_title(textwrap.fill(shown_title, fits), fontsize=10, loc="left")  # from the left edge: never cut off there
     ax.set_axis_off()
     if not top.groups:
         ax.text(0.5, 0.5, "no verdicts", ha="center", va="center", transform=ax.transAxes)

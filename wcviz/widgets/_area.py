@@ -50,7 +50,7 @@ class ViewArea:
 
     state: DashboardState
     view: widgets.Dropdown
-    view_area: widgets.Box
+    view_area: widgets.VBox
     drill: widgets.Dropdown
     role: widgets.Dropdown
     status: widgets.Dropdown
@@ -153,7 +153,8 @@ class ViewArea:
             if self.state.filtering:
                 note = "the status and parameter filters do not apply here: the topology shows each rank's worst status"
         self._figure = fig
-        drawn: tuple[Any, ...] = (_classed(widgets.Image(value=_png(fig), format="png"), _VIEW_CLASS[view]),)
+        picture = widgets.Image(value=_png(fig), format="png", layout=widgets.Layout(max_width="100%", height="auto"))
+        drawn: tuple[Any, ...] = (_classed(picture, _VIEW_CLASS[view]),)  # its own size, smaller only where it must be
         if note:
             drawn = (_classed(widgets.HTML(f"<i>{html.escape(note)}</i>"), "note"), *drawn)
         self.view_area.children = drawn

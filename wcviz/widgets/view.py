@@ -145,7 +145,7 @@ class Dashboard(ViewArea):
         self.errors = _classed(widgets.HTML(layout=widgets.Layout(display="none")), "errors")
         self.clear_button = _classed(widgets.Button(description="Clear errors", layout=widgets.Layout(display="none")), "clear_errors")
         self.clear_button.on_click(lambda _b: self._click("clear_errors"))
-        self.view_area = _classed(widgets.Box(), "view_area")
+        self.view_area = _classed(widgets.VBox(layout=widgets.Layout(align_items="flex-start")), "view_area")  # a note above, never beside
         for w in (self.view, self.role, self.status, self.search):
             w.observe(self._on_choice, names="value")
         rows = [
@@ -168,6 +168,7 @@ class Dashboard(ViewArea):
             except ValueError as e:
                 self.exceptions.append(("filter", e))
                 self._show_errors()
+                self.search.value = self.state.search  # the box shows the filter that applies (the error says what was typed)
                 return
         if self._busy:
             return
@@ -206,11 +207,6 @@ class Dashboard(ViewArea):
         bundle["text/html"] = self.static_html()
         bundle["text/plain"] = repr(self)
         return bundle
-
-    def _ipython_display_(self) -> None:
-        from IPython.display import display
-
-        display(self.widget)
 
     def close(self) -> None:
         """Close every widget of the dashboard (the frames stay)."""
