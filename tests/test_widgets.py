@@ -572,7 +572,7 @@ def test_the_status_line_says_what_is_happening(ranks: list[Rank]) -> None:
     dash.status_line.observe(lambda change: seen.append(change["new"]), names="value")
     dash.snapshot()
     working = [s for s in seen if "wcviz-working" in s]
-    assert any("snapshotting: every rank records its digests, then fetching 2 ranks" in s for s in working), seen
+    assert any("snapshotting: every rank records its digests, then fetching the digests of 2 ranks" in s for s in working), seen
     assert any("snapshot done, fetching the digests of 2 ranks" in s for s in working), seen
     assert "snapshot done; 2 of 2 ranks answered" in seen[-1]
     assert dash.progress.description.startswith("snapshot ")  # labelled, "snapshot 2/2" at its end

@@ -229,6 +229,17 @@ class DashboardState(VerdictFilters):
         if res.answered == 0 and len(res.failed) and bool((res.failed["kind"] == "unreachable").all()):
             self.stopped = f"no rank answers ({plural(len(res.failed), 'rank')} unreachable): the agents or the cluster have stopped"
 
+    def plan(self, action: str) -> str:
+        """What ``action`` is about to do, in words (the status line while it runs)."""
+        n = plural(len(self.targets), "rank")
+        if action == "fetch":
+            return f"fetching the digests of {n}…"
+        if action == "compare":
+            return "comparing…"
+        how = "refit" if getattr(self.fleet, "transport", False) is not False else "the weight update"
+        what = {"snapshot": "every rank records its digests", "reset": "overwriting every weight", "reload": how}[action]
+        return f"{_DOING[action]}: {what}, then fetching the digests of {n}…"
+
     def _stepped(self, phase: str, step: str) -> None:
         """The session finished ``step`` of ``phase``: say what comes next, tick the progress."""
         n = plural(len(self.targets), "rank")
@@ -245,7 +256,7 @@ class DashboardState(VerdictFilters):
         else:
             self.require("fetch", mutation=False)
         assert self.fleet is not None
-        self.activity = f"fetching the digests of {plural(len(self.targets), 'rank')}…"
+        self.activity = self.plan("fetch")
         res = self.fleet.digests("current")
         self.on_step()
         self._noticed_silence(res)
@@ -271,9 +282,7 @@ class DashboardState(VerdictFilters):
             self.frames = {}
         if phase == "reset":
             self.reset_started = True  # from here on the ranks may hold the reset pattern: Reload is the way back
-        how = "refit" if getattr(self.fleet, "transport", False) is not False else "the weight update"
-        what = {"snapshot": "every rank records its digests", "reset": "overwriting every weight", "reload": how}[phase]
-        self.activity = f"{_DOING[phase]}: {what}, then fetching the digests of {plural(len(self.targets), 'rank')}…"
+        self.activity = self.plan(phase)
         try:
             frame = getattr(self.session, phase)()
         finally:

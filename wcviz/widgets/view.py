@@ -37,13 +37,6 @@ _BUTTONS = {  # name: (label, tooltip, icon); the end-state check's steps are nu
     "reload": ("3 Reload", "run the weight update again, then fetch the digests", "refresh"),
     "compare": ("4 Compare", "classify the frames into verdicts", "balance-scale"),
 }
-_STARTING = {  # what the status line says as an action starts ({n}: the ranks)
-    "fetch": "fetching the digests of {n}…",
-    "snapshot": "snapshotting: every rank records its digests, then fetching {n}…",
-    "reset": "resetting: overwriting every weight on {n}, then fetching their digests…",
-    "reload": "reloading: the weight update, then fetching {n}…",
-    "compare": "comparing…",
-}
 _ERROR_STYLE = "color:#B2182B;white-space:pre-wrap;word-break:normal;overflow-wrap:normal;overflow-x:auto;margin:0"
 _FRAMES_ONLY = "frames in memory: there are no agents to fetch from or act on"
 
@@ -239,7 +232,7 @@ class Dashboard(ViewArea):
         if action == "snapshot":
             self.exceptions.clear()  # a new check: what failed before it is history
         if steps:
-            self._show_activity(_STARTING.get(action, f"{action}…").format(n=plural(len(self.state.targets), "rank")))
+            self._show_activity(self.state.plan(action) if self.state.live else f"{action}…")
             if self.progress_enabled:
                 self.progress.max, self.progress.value = steps, 0
                 self.progress.description, self.progress.bar_style = f"{action} 0/{steps}", "info"
