@@ -439,7 +439,8 @@ def test_accumulator_collects_on_device_and_syncs_once(monkeypatch: pytest.Monke
 
 
 def test_digest_many_batches_small_host_tensors_in_one_kernel_call(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Tensors up to SMALL_BYTES share one numba call; larger ones get their own; all match the reference."""
+    """Tensors up to SMALL_BYTES share one numba call (contiguous ones read in place, the strided one packed);
+    larger ones get their own; all match the reference."""
     from wcviz.digest import _numba
 
     g = torch.Generator().manual_seed(11)
@@ -453,12 +454,14 @@ def test_digest_many_batches_small_host_tensors_in_one_kernel_call(monkeypatch: 
         "strided": torch.randn(40, 30, generator=g).t(),
     }
     batches: list[int] = []
+    in_place: list[int] = []
     singles: list[int] = []
-    many, one = _numba.lanes_digest_many, _numba.lanes_digest
+    many, at, one = _numba.lanes_digest_many, _numba.lanes_digest_at, _numba.lanes_digest
     monkeypatch.setattr(_numba, "lanes_digest_many", lambda lanes, s, c, seeds: batches.append(len(s)) or many(lanes, s, c, seeds))
+    monkeypatch.setattr(_numba, "lanes_digest_at", lambda a, n, seeds, keep: in_place.append(len(a)) or at(a, n, seeds, keep))
     monkeypatch.setattr(_numba, "lanes_digest", lambda lanes, seed: singles.append(lanes.shape[0]) or one(lanes, seed))
     got = _api.digest_timed(named, backend="numba")
-    assert batches == [5] and singles == [(small + 2 + 7) // 8]
+    assert in_place == [4] and batches == [1] and singles == [(small + 2 + 7) // 8]
     assert {n: d for n, (d, _) in got.items()} == digest_many(named, backend="torch")
     assert all(s >= 0 for _, s in got.values()) and list(got) == list(named)
 

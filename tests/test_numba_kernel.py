@@ -218,3 +218,33 @@ def test_mix_on_vectors_matches_scalar() -> None:
     vec, scalar = both(a)
     np.testing.assert_array_equal(vec, scalar)
     assert [int(v) for v in scalar[:4]] == [_spec._mix64(int(x)) for x in a[:4]]
+
+
+def test_digest_many_reads_tensors_where_they_live_bit_identically() -> None:
+    """The batched host path reads contiguous tensors in place (aligned or not, odd tails copied in the kernel) and
+    packs the rest; every kind of tensor digests as the torch reference does, in the order given."""
+    import torch
+
+    from wcviz.digest import digest_hex, digest_many
+
+    g = torch.Generator().manual_seed(11)
+    base = torch.randn(64, 33, generator=g)
+    whole = torch.randint(0, 255, (1001,), generator=g, dtype=torch.uint8)
+    named = {
+        "aligned": torch.randn(4096, generator=g).to(torch.bfloat16),
+        "odd-tail": torch.randn(3, generator=g).to(torch.bfloat16),  # 6 bytes
+        "unaligned": whole[1:],  # contiguous, starting 1 byte into its storage
+        "unaligned-odd": whole[3:10],
+        "transposed": base.t(),  # not contiguous: packed
+        "sliced": base[:, 1::2],
+        "empty": torch.empty(0, 5),
+        "scalar": torch.tensor(2.5, dtype=torch.float64),
+        "bool": torch.rand(17, generator=g) > 0.5,
+        "conj": torch.randn(5, dtype=torch.complex64, generator=g).conj(),  # a lazy conjugate: packed, resolved
+        "neg": torch.randn(8, generator=g).to(torch.complex64).conj().imag,  # a lazy negation
+        "int64": torch.randint(-(2**40), 2**40, (9,), generator=g),
+    }
+    many = digest_many(named, backend="numba")
+    assert list(many) == list(named)
+    for name, t in named.items():
+        assert str(many[name]) == str(digest_hex(t, backend="torch")), name

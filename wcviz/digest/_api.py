@@ -240,33 +240,64 @@ def _words(lanes: torch.Tensor, seed: tuple[int, int], backend: str) -> torch.Te
     return _torch.lanes_digest(lanes, seed)
 
 
-def _words_many(tensors: Sequence[tuple[str, torch.Tensor]], backend: str) -> torch.Tensor:
-    """Digest words, ``(n, 2)`` ``int64``, of tensors on one device, in one batched call.
+def _words_many(tensors: Sequence[tuple[str, torch.Tensor]], backend: str, sizes: Sequence[int] | None = None) -> Any:
+    """Digest words, ``(n, 2)``, of tensors on one device, in one batched call (``.tolist()`` gives the ints).
 
     ``triton``: three launches for all of them, on their device, no host sync.
-    ``numba``: their lanes are packed into one host array and digested with one
-    kernel call, threads spread across the tensors.
+    ``numba``: contiguous host tensors (nearly every parameter) are read where they
+    live, the rest packed into one lane array; one kernel call each way, threads
+    spread across the tensors.
     """
-    import numpy as np
-    import torch
-
-    seeds = [_spec.seeds(*_lanes.seed_args(t)) for _, t in tensors]
     if backend == "triton":
         from wcviz.digest import _triton
 
+        seeds = [_spec.seeds(*_lanes.seed_args(t)) for _, t in tensors]
         lanes = [_lanes.lanes_of(_lanes.logical_bytes(t, name)) for name, t in tensors]
         return _triton.lanes_digest_many(lanes, seeds)
+    return _numba_many(tensors, sizes if sizes is not None else [t.numel() * t.element_size() for _, t in tensors])
+
+
+def _numba_many(tensors: Sequence[tuple[str, torch.Tensor]], sizes: Sequence[int]) -> Any:
+    """The numba path of :func:`_words_many`: ``(n, 2)`` ``uint64`` words in the order given (``sizes``: their bytes)."""
+    import numpy as np
+
     from wcviz.digest import _numba
 
-    raws = [_lanes.logical_bytes(t, name).numpy() for name, t in tensors]
-    counts = np.array([(r.shape[0] + 7) // 8 for r in raws], dtype=np.int64)  # lanes, the last one zero-padded
-    starts = np.zeros_like(counts)
-    np.cumsum(counts[:-1], out=starts[1:])
-    packed = np.zeros(int(counts.sum()) * 8, dtype=np.uint8)
-    for raw, at in zip(raws, starts.tolist()):
-        packed[at * 8 : at * 8 + raw.shape[0]] = raw
-    words = _numba.lanes_digest_many(packed.view(np.uint64), starts, counts, np.array(seeds, dtype=np.uint64).reshape(-1, 2))
-    return torch.from_numpy(words.view(np.int64))
+    n = len(tensors)
+    seed_list: list[tuple[int, int]] = []
+    known: dict[tuple[Any, Any], tuple[int, int]] = {}
+    direct: list[int] = []  # read where they live: one address and a byte count each
+    addresses: list[int] = []
+    lanes_of: list[int] = []  # their bytes
+    packed: list[int] = []  # copied into one lane array first (a strided view, a quantized tensor, a lazy conj/neg)
+    for i, (_, t) in enumerate(tensors):
+        nbytes = sizes[i]
+        key = (t.dtype, t.shape)
+        seed = known.get(key)
+        if seed is None:
+            seed = known[key] = _spec.seeds(str(t.dtype), tuple(t.shape), nbytes)
+        seed_list.append(seed)
+        if t.is_contiguous() and not (t.is_quantized or t.is_conj() or t.is_neg()):
+            direct.append(i)
+            addresses.append(t.data_ptr())
+            lanes_of.append(nbytes)
+        else:
+            packed.append(i)
+    seeds = np.array(seed_list, dtype=np.uint64).reshape(n, 2)
+    out = np.empty((n, 2), dtype=np.uint64)
+    if direct:
+        counts = np.array(lanes_of, dtype=np.int64)
+        out[direct] = _numba.lanes_digest_at(np.array(addresses, dtype=np.uint64), counts, seeds[direct], tensors)
+    if packed:
+        raws = [_lanes.logical_bytes(tensors[i][1], tensors[i][0]).numpy() for i in packed]
+        counts = np.array([(r.shape[0] + 7) // 8 for r in raws], dtype=np.int64)  # lanes, the last one zero-padded
+        starts = np.zeros_like(counts)
+        np.cumsum(counts[:-1], out=starts[1:])
+        lanes = np.zeros(int(counts.sum()) * 8, dtype=np.uint8)
+        for raw, at in zip(raws, starts.tolist()):
+            lanes[at * 8 : at * 8 + raw.shape[0]] = raw
+        out[packed] = _numba.lanes_digest_many(lanes.view(np.uint64), starts, counts, seeds[packed])
+    return out
 
 
 def tensor_digest(t: torch.Tensor, *, backend: str = "auto", name: str | None = None) -> torch.Tensor:
@@ -315,7 +346,13 @@ def as_pairs(named_tensors: NamedTensors) -> list[tuple[str, torch.Tensor]]:
     :class:`DigestError` naming it (the tensors themselves are checked where they are
     read). What every caller that takes named tensors uses.
     """
-    items = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
+    if isinstance(named_tensors, Mapping):
+        items = list(named_tensors.items())
+        bad = next((k for k in named_tensors if not isinstance(k, str)), None)  # a mapping's keys are unique already
+        if bad is not None:
+            raise TypeError(f"expected (name, tensor) pairs with str names, got {(bad, named_tensors[bad])!r:.80}")
+        return items
+    items = list(named_tensors)
     seen: set[str] = set()
     dups: list[str] = []
     for item in items:
@@ -343,30 +380,49 @@ def digest_timed(
 
     _check_algo(algo)
     items = as_pairs(named_tensors)
-    chosen = {}
+    sizes: list[int] = []
+    chosen: list[str] = []
+    resolved: dict[str, str] = {}  # per device type: the backend choice is the same for every tensor there
+    import torch
+
+    strided = torch.strided
     for name, t in items:  # every input is checked before any work is done
-        _lanes.check_digestible(t, name)
-        chosen[name] = "host" if algo != _spec.ALGO else resolve_backend(backend, t.device.type, name)
+        if not isinstance(t, torch.Tensor) or t.layout is not strided:
+            _lanes.check_digestible(t, name)  # raises, naming what is wrong
+        kind = t.device.type
+        if kind == "meta":
+            _lanes.check_digestible(t, name)
+        sizes.append(t.numel() * t.element_size())
+        if algo != _spec.ALGO:
+            chosen.append("host")
+            continue
+        how = resolved.get(kind)
+        if how is None:
+            how = resolved[kind] = resolve_backend(backend, kind, name)
+        chosen.append(how)
     out: dict[str, tuple[Digest, float]] = {}
     queued: dict[Any, list[tuple[str, torch.Tensor, int]]] = {}
     started: dict[Any, float] = {}
-    batches: dict[tuple[str, Any], list[tuple[str, torch.Tensor]]] = {}
-    for name, t in tqdm(items, desc="digest", unit="tensor", disable=not progress if progress is not None else None):
-        how = chosen[name]
-        if how == "triton" or (how == "numba" and t.numel() * t.element_size() <= SMALL_BYTES):
-            batches.setdefault((how, t.device), []).append((name, t))
+    batches: dict[tuple[str, Any], list[int]] = {}  # indices into items
+    shown = range(len(items)) if progress is False else tqdm(range(len(items)), desc="digest", unit="tensor",
+                                                             disable=not progress if progress is not None else None)
+    for i in shown:
+        name, t = items[i]
+        how, nbytes = chosen[i], sizes[i]
+        if how == "triton" or (how == "numba" and nbytes <= SMALL_BYTES):
+            batches.setdefault((how, t.device), []).append(i)
         elif how == "torch":
             started.setdefault(t.device, time.perf_counter())
             words = tensor_digest(t, backend="torch", name=name)
-            queued.setdefault(t.device, []).append((name, words, t.numel() * t.element_size()))
+            queued.setdefault(t.device, []).append((name, words, nbytes))
         else:
             t0 = time.perf_counter()
             d = _sha256_of(t, name, algo) if algo != _spec.ALGO else _hex_words(tensor_digest(t, backend=how, name=name).tolist())
             out[name] = (d, time.perf_counter() - t0)
     for (how, _), group in batches.items():
         t0 = time.perf_counter()
-        host = _to_host(_words_many(group, how))  # the one sync for this batch
-        _share(out, [(name, pair, t.numel() * t.element_size()) for (name, t), pair in zip(group, host)], time.perf_counter() - t0)
+        host = _to_host(_words_many([items[i] for i in group], how, [sizes[i] for i in group]))  # the one sync for this batch
+        _share(out, [(items[i][0], pair, sizes[i]) for i, pair in zip(group, host)], time.perf_counter() - t0)
     for device, rows in queued.items():
         import torch
 
@@ -377,9 +433,10 @@ def digest_timed(
 
 def _share(out: dict[str, tuple[Digest, float]], rows: list[tuple[str, list[int], int]], total: float) -> None:
     """Record batched digests, giving each a share of the batch's seconds by its bytes."""
-    nbytes = sum(b for _, _, b in rows) or 1
-    for name, pair, b in rows:
-        out[name] = (_hex_words(pair), total * b / nbytes)
+    per_byte = total / (sum(b for _, _, b in rows) or 1)
+    algo = _spec.ALGO
+    for name, (d1, d2), b in rows:
+        out[name] = (Digest("%016x%016x" % (d1 & _spec.MASK64, d2 & _spec.MASK64), algo), per_byte * b)
 
 
 def _to_host(words: torch.Tensor) -> list[list[int]]:

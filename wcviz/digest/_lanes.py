@@ -50,6 +50,8 @@ def logical_bytes(t: torch.Tensor, name: str | None = None) -> torch.Tensor:
 
     check_digestible(t, name)
     t = t.detach()
+    if t.is_conj() or t.is_neg():  # lazy conjugate / negative views: their values, as every other path sees them
+        t = t.resolve_conj().resolve_neg()
     if t.is_quantized:
         t = t.int_repr()
     if t.is_complex() and t.element_size() == 16:

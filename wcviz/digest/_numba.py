@@ -44,12 +44,13 @@ import time
 
 import numba
 import numpy as np
-from numba import njit, prange
+from numba import njit, prange, types
+from numba.extending import intrinsic
 
 from wcviz.digest import _spec
 from wcviz.digest._simd import cat, load, load_cols, splat, split, store
 
-__all__ = ["BLOCK", "GROUP", "floor_rate", "lanes_digest", "lanes_digest_many", "set_threads"]
+__all__ = ["BLOCK", "GROUP", "floor_rate", "lanes_digest", "lanes_digest_at", "lanes_digest_many", "set_threads"]
 
 BLOCK = 4096  # lanes per block (a subtree), the most a group uses: 4 blocks = 128 KiB of input
 GROUP = 4  # blocks folded side by side, one per vector element
@@ -274,6 +275,36 @@ def _digest_many(lanes, starts, counts, seeds, out):  # type: ignore[no-untyped-
         out[i, 0], out[i, 1] = _digest_serial(lanes[a : a + counts[i]], seeds[i, 0], seeds[i, 1])
 
 
+@intrinsic
+def _void_ptr(typingctx, address):  # type: ignore[no-untyped-def]
+    """An integer address as a ``void*`` (what ``numba.carray`` needs to view memory it did not allocate)."""
+    from numba.core import cgutils
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        return builder.inttoptr(args[0], cgutils.voidptr_t)
+
+    return types.voidptr(address), codegen
+
+
+@njit(cache=True)
+def _digest_one_at(address, n, s1, s2):  # type: ignore[no-untyped-def]
+    """The digest words of the ``n`` bytes at ``address``: whole aligned lanes read in place, else copied
+    (an odd tail, an unaligned start) into zero-padded lanes. Apart from the parallel loop, so its
+    allocation stays per tensor."""
+    if n % 8 == 0 and address % 8 == 0:
+        return _digest_serial(numba.carray(_void_ptr(address), (n // 8,), np.uint64), s1, s2)
+    lanes = np.zeros((n + 7) // 8, dtype=np.uint64)
+    if n:
+        lanes.view(np.uint8)[:n] = numba.carray(_void_ptr(address), (n,), np.uint8)
+    return _digest_serial(lanes, s1, s2)
+
+
+@njit(parallel=True, cache=True)
+def _digest_at(addresses, nbytes, seeds, out):  # type: ignore[no-untyped-def]
+    for i in prange(addresses.shape[0]):
+        out[i, 0], out[i, 1] = _digest_one_at(addresses[i], nbytes[i], seeds[i, 0], seeds[i, 1])
+
+
 # ---------------------------------------------------------------- compute floor
 
 _FLOOR_WIDTH = 32  # lanes per vector expression: 8 AVX2 registers in flight
@@ -340,6 +371,31 @@ def lanes_digest_many(lanes: np.ndarray, starts: np.ndarray, counts: np.ndarray,
     if n:
         with _LOCK, numba.parallel_chunksize(1):  # tensors of mixed sizes: hand them out one by one
             _digest_many(lanes, starts, counts, seeds, out)
+    return out
+
+
+def lanes_digest_at(addresses: np.ndarray, nbytes: np.ndarray, seeds: np.ndarray, keep_alive: object) -> np.ndarray:
+    """Digest words (``(n, 2)`` ``uint64``) of ``n`` tensors read where they live.
+
+    Tensor ``i`` is the ``nbytes[i]`` bytes at host address ``addresses[i]``: memory
+    that ``keep_alive`` (the tensors) holds for the duration of the call, contiguous
+    (the caller checks). Whole aligned lanes are read in place; an odd tail or an
+    unaligned start is copied into zero-padded lanes inside the kernel. Tensors are
+    spread over the threads as in :func:`lanes_digest_many`.
+    """
+    addresses = np.ascontiguousarray(addresses, dtype=np.uint64).reshape(-1)
+    nbytes = np.ascontiguousarray(nbytes, dtype=np.int64).reshape(-1)
+    seeds = np.ascontiguousarray(seeds, dtype=np.uint64).reshape(-1, 2)
+    n = addresses.shape[0]
+    if nbytes.shape[0] != n or seeds.shape[0] != n:
+        raise ValueError(f"addresses, nbytes and seeds disagree on the tensor count ({n}, {nbytes.shape[0]}, {seeds.shape[0]})")
+    if n and (nbytes.min() < 0 or bool(((addresses == 0) & (nbytes > 0)).any())):
+        raise ValueError("every byte count must be >= 0, and an address non-null where there are bytes")
+    out = np.empty((n, 2), dtype=np.uint64)
+    if n:
+        with _LOCK, numba.parallel_chunksize(1):
+            _digest_at(addresses, nbytes, seeds, out)
+    del keep_alive  # held until here: the kernel read the tensors' memory
     return out
 
 
