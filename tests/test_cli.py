@@ -333,3 +333,29 @@ def test_bad_fetch_and_endstate_arguments_exit_2_before_any_request(capsys, argv
     assert rc == 2
     _assert_clean_error(err)
     assert re.search(why, err), err
+
+
+def test_digest_and_compare_on_safetensors_never_import_torch(tmp_path: Path) -> None:
+    """The CLI on checkpoints reads headers, a file and the compiled kernel: torch is never imported, so it
+    starts at once; the digests are the ones PyTorch's tensors give (the rest of this file checks them)."""
+    import subprocess
+    import sys
+
+    from wcviz.sim.model import TINY, build_state_dict, save_checkpoint
+
+    a = save_checkpoint(build_state_dict(TINY), tmp_path / "a")
+    b = save_checkpoint(build_state_dict(TINY), tmp_path / "b")
+    code = (
+        "import sys\n"
+        "from wcviz.cli import main\n"
+        f"assert main(['digest', {str(a)!r}, '--no-progress', '--out', {str(tmp_path / 'a.csv')!r}]) == 0\n"
+        f"assert main(['compare', {str(a)!r}, {str(b)!r}, '--no-progress']) == 0\n"
+        "print('torch' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip().splitlines()[-1] == "False"
+    from wcviz import read_table
+    from wcviz.sources import from_state_dict
+
+    got = read_table(tmp_path / "a.csv").set_index("name")["digest"].to_dict()
+    assert got == from_state_dict(build_state_dict(TINY), progress=False).set_index("name")["digest"].to_dict()

@@ -512,31 +512,53 @@ def digest_buffer(
     ``uint8`` array of exactly ``nbytes``, or longer with zero padding after.
     """
     import numpy as np
-    import torch
 
-    dt = parse_dtype(dtype)
+    dtype_name, itemsize = _dtype_of(dtype)  # torch is imported only for a dtype name it alone knows
     shape = tuple(int(d) for d in shape)
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+    nbytes = int(np.prod(shape, dtype=np.int64)) * itemsize
     if raw.dtype != np.uint8 or raw.ndim != 1 or raw.shape[0] < nbytes:
         what = f"tensor {name!r}" if name else "buffer"
-        raise DigestError(f"{what}: expected at least {nbytes} bytes of uint8 for {dt} {list(shape)}, got {raw.shape[0]} {raw.dtype}")
+        raise DigestError(f"{what}: expected at least {nbytes} bytes of uint8 for {dtype_name} {list(shape)}, got {raw.shape[0]} {raw.dtype}")
     if _check_algo(algo) == "sha256":
-        return Digest(sha256_hex(raw.data, str(dt), shape, nbytes), "sha256")
+        return Digest(sha256_hex(raw.data, dtype_name, shape, nbytes), "sha256")
     if algo != _spec.ALGO:
         from wcviz.digest._engines import engine_digest
 
         return Digest(engine_digest(algo, raw[:nbytes]), algo)
     padded = (nbytes + 7) // 8 * 8
-    if nbytes == 0:
-        lanes = torch.empty(0, dtype=torch.int64)
-    elif raw.shape[0] >= padded and not raw[nbytes:padded].any() and raw.ctypes.data % 8 == 0:
-        lanes = torch.from_numpy(raw[:padded]).view(torch.int64)
+    if raw.shape[0] >= padded and raw.ctypes.data % 8 == 0 and not raw[nbytes:padded].any():
+        lanes = raw[:padded].view(np.uint64)
     else:
         buf = np.zeros(padded, dtype=np.uint8)
         buf[:nbytes] = raw[:nbytes]
-        lanes = torch.from_numpy(buf).view(torch.int64)
+        lanes = buf.view(np.uint64)
+    seed = _spec.seeds(dtype_name, shape, nbytes)
     chosen = resolve_backend(backend, "cpu", name)
-    return _hex_words(_words(lanes, _spec.seeds(str(dt), shape, nbytes), chosen).tolist())
+    if chosen == "numba":  # no torch at all: a checkpoint reader (the CLI) starts at once
+        from wcviz.digest import _numba
+
+        return _hex_words(list(_numba.lanes_digest(lanes, seed)))
+    import torch
+
+    return _hex_words(_words(torch.from_numpy(lanes.view(np.int64)), seed, chosen).tolist())
+
+
+# PyTorch's names of the dtypes checkpoints hold, with their widths: what digest_buffer needs without torch
+_WIDTHS = {
+    "bool": 1, "uint8": 1, "int8": 1, "uint16": 2, "int16": 2, "float16": 2, "bfloat16": 2, "uint32": 4, "int32": 4,
+    "float32": 4, "uint64": 8, "int64": 8, "float64": 8, "complex64": 8, "complex128": 16, "float8_e4m3fn": 1,
+    "float8_e5m2": 1, "float8_e8m0fnu": 1, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1,
+}  # fmt: skip
+
+
+def _dtype_of(dtype: Any) -> tuple[str, int]:
+    """``("torch.<name>", bytes per element)`` of a dtype or its name, importing torch only for names not listed."""
+    if isinstance(dtype, str):
+        bare = dtype.removeprefix("torch.")
+        if bare in _WIDTHS:
+            return f"torch.{bare}", _WIDTHS[bare]
+    dt = parse_dtype(dtype)
+    return str(dt), dt.itemsize
 
 
 def _algos(side: Mapping[str, str]) -> set[str]:

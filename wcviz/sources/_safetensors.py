@@ -21,8 +21,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from wcviz._errors import CheckpointError, DigestError
-from wcviz.digest import DEFAULT_ALGO, digest_buffer, parse_dtype
+from wcviz._errors import CheckpointError
+from wcviz.digest import DEFAULT_ALGO, digest_buffer
 from wcviz.frame import check_rank_info, make_frame, shape_str
 
 __all__ = ["from_safetensors", "TensorEntry", "read_header", "checkpoint_files", "DTYPES"]
@@ -47,6 +47,12 @@ DTYPES: dict[str, str] = {
     "F8_E5M2": "float8_e5m2",
     "F8_E8M0": "float8_e8m0fnu",
 }
+# bytes per element of each code: the header alone says how long each tensor is (no torch needed to read it)
+ITEMSIZE: dict[str, int] = {
+    "BOOL": 1, "U8": 1, "I8": 1, "U16": 2, "I16": 2, "F16": 2, "BF16": 2, "U32": 4, "I32": 4, "F32": 4,
+    "U64": 8, "I64": 8, "F64": 8, "C64": 8, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
+}  # fmt: skip
+assert set(ITEMSIZE) == set(DTYPES)
 _MAX_HEADER = 100 * 1024 * 1024  # the format's own limit
 MAX_DIMS = 64  # no real tensor has more; a header that claims 100,000 is refused, not digested
 _MAX_DIM = (1 << 63) - 1  # a dimension must fit int64, as in PyTorch and in the digest's metadata
@@ -115,11 +121,7 @@ def _entry(path: Path, name: str, spec: Any, data_start: int, data_size: int) ->
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)):
         raise CheckpointError(f"{where}: data_offsets {str(offsets)[:120]} is not [begin, end]")
     begin, end = offsets
-    try:
-        itemsize = parse_dtype(DTYPES[code]).itemsize
-    except DigestError:  # a code this PyTorch has no dtype for (F8_E8M0 before torch 2.7)
-        raise CheckpointError(f"{where}: dtype {code!r} ({DTYPES[code]}) is not supported by this PyTorch") from None
-    nbytes = math.prod(shape) * itemsize
+    nbytes = math.prod(shape) * ITEMSIZE[code]
     if not 0 <= begin <= end:
         raise CheckpointError(f"{where}: header lies: data_offsets {offsets} are not increasing")
     if end - begin != nbytes:
