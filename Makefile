@@ -50,6 +50,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/fanout.py --repeat 3
 	$(BIN)/python benchmarks/frame.py
 	$(BIN)/python benchmarks/engine_digests.py
+	$(BIN)/python benchmarks/checkpoint.py --mib 512
 	@if $(BIN)/python -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then \
 	  $(BIN)/python benchmarks/gpu.py --gib 1; else echo "no CUDA GPU here: benchmarks/gpu.py not run"; fi
 
