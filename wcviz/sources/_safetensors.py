@@ -246,6 +246,20 @@ def _mapped(f: Any) -> Iterator[np.ndarray | None]:
             pass
 
 
+def _view(f: Any, data: np.ndarray, e: TensorEntry) -> np.ndarray:
+    """The tensor's bytes in the mapped file; a file cut short since its header was read is a CheckpointError here,
+    before any byte past its end is touched (reading a mapped page that no longer exists would kill the process).
+
+    As with any memory-mapped reader (the safetensors library maps files too), a file
+    truncated in the instant between this check and the kernel's read is not caught.
+    """
+    end = e.start + e.nbytes
+    size = os.fstat(f.fileno()).st_size
+    if end > min(size, data.shape[0]):
+        raise CheckpointError(f"{e.file}: tensor {e.name!r}: truncated: the file now holds {size} bytes, the tensor ends at byte {end}")
+    return data[e.start : end]
+
+
 def _read(f: Any, e: TensorEntry) -> np.ndarray:
     """The tensor's bytes, zero-padded to a multiple of 8 (what the digest folds)."""
     buf = np.zeros((e.nbytes + 7) // 8 * 8, dtype=np.uint8)
@@ -283,7 +297,7 @@ def from_safetensors(
         for file, group in itertools.groupby(entries, key=lambda e: e.file):  # entries come shard by shard
             with open(file, "rb") as f, _mapped(f) as data:
                 for e in group:
-                    buf = data[e.start : e.start + e.nbytes] if data is not None else _read(f, e)
+                    buf = _view(f, data, e) if data is not None else _read(f, e)
                     t0 = time.perf_counter()
                     d = digest_buffer(buf, e.dtype, e.shape, algo=algo, backend=backend, name=e.name)
                     rows.append(
