@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from wcviz.digest import _spec, _triton, digest_hex, digest_many, tensor_digest
+from wcviz.digest import ENGINE_ALGORITHMS, _spec, _triton, digest_hex, digest_many, tensor_digest
 from wcviz.digest._triton import _mix
 
 TARGET_GBPS = 1000.0  # on >= 1 GiB of bf16 on an H200
@@ -142,6 +142,25 @@ def speed(device: torch.device, gib: float, timer: Timer, smoke: bool) -> tuple[
     return rows, best
 
 
+def engines(device: torch.device, gib: float, timer: Timer, smoke: bool) -> tuple[list[tuple[str, bool]], list[tuple[str, float]]]:
+    """The engines' own checksums on the device: identity with the CPU path, and GB/s beside a device copy.
+
+    ``sglang-gpu`` runs on the device (wcviz's vectorised torch path, bit-identical to
+    SGLang's Triton kernel); ``vllm-sha256``/``sglang-cpu`` copy the bytes to the host
+    and hash there (as vLLM's and SGLang's own code does), so their rate is the copy's and SHA-256's.
+    """
+    checks = []
+    for numel in ([0, 3, 5000] if smoke else [0, 1, 3, 8191, 8192 * 4 + 3, 3 * 8192 * 4 + 7]):
+        x = random_tensor(numel, torch.bfloat16, device, seed=numel % 991)
+        for algo in ENGINE_ALGORITHMS:
+            checks.append((f"{algo} {numel} bf16", str(digest_hex(x, algo=algo)) == str(digest_hex(x.cpu(), algo=algo))))
+    x = random_tensor(int(gib * 2**30) // 2, torch.bfloat16, device, seed=3)
+    nbytes = x.numel() * 2
+    rows = [(f"{algo} on {device.type}", nbytes / timer(lambda a=algo: digest_hex(x, algo=a), 1 if smoke else 3) / 1e9) for algo in ENGINE_ALGORITHMS]
+    rows.append(("nemo-rl-v3 (Triton), same tensor", nbytes / timer(lambda: tensor_digest(x, backend="triton")) / 1e9))
+    return checks, rows
+
+
 def batching(device: torch.device, timer: Timer, smoke: bool) -> list[tuple[str, int, float, float, float]]:
     """(case, tensors, GB, seconds batched, seconds one call per tensor)."""
     from wcviz.bench import ZOO
@@ -216,6 +235,13 @@ def main() -> int:
           f"target ≥ {TARGET_VS_EAGER:.0f}× eager: {'met' if best['gbps'] >= TARGET_VS_EAGER * eager else 'NOT met'} "
           f"({best['gbps'] / eager:.1f}×)")
 
+    engine_checks, engine_rows = engines(device, gib, timer, args.smoke)
+    bad += [(c, "bf16", ok) for c, ok in engine_checks if not ok]
+    print(f"\n## The engines' own checksums: {sum(ok for _, ok in engine_checks)}/{len(engine_checks)} identical to the CPU\n")
+    print("| method | GB/s |\n|---|---:|")
+    for method, gbps in engine_rows:
+        print(f"| {method} | {gbps:.1f} |")
+
     batch = batching(device, timer, args.smoke)
     print(f"\n## Whole-model batching (best of {1 if args.smoke else 3})\n")
     print("| case | tensors | GB | batched s | one call per tensor s | speed-up |\n|---|---:|---:|---:|---:|---:|")
@@ -227,7 +253,7 @@ def main() -> int:
     result = {
         "date": today, "device": name, "torch": torch.__version__, "triton": triton.__version__,
         "identity": [{"case": c, "dtype": d, "ok": ok} for c, d, ok in checks],
-        "speed_gbps": dict(rows), "best_config": best, "batching": [dict(zip(("case", "tensors", "gb", "batched_s", "looped_s"), r)) for r in batch],
+        "speed_gbps": dict(rows), "best_config": best, "engines": {"identity": dict(engine_checks), "gbps": dict(engine_rows)}, "batching": [dict(zip(("case", "tensors", "gb", "batched_s", "looped_s"), r)) for r in batch],
         "rates": [
             {"backend": "triton", "gbps": triton_gbps, "overhead_s": max(small[3] / small[1] - 8192 / (triton_gbps * 1e9), 0.0)},
             {"backend": "torch", "gbps": eager, "overhead_s": None},

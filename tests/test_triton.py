@@ -144,6 +144,9 @@ def test_gpu_benchmark_script_runs_in_the_interpreter(tmp_path) -> None:  # type
     assert {"eager torch reference, same device", "device-to-device copy (bytes read)", "one mix per lane (compute floor)"} <= set(result["speed_gbps"])
     assert [b["case"] for b in result["batching"]] == ["sim-tiny (bf16)", "small tensors (4096 bf16 each)"]
     assert "## Identity with the CPU (numba)" in proc.stdout and "## Whole-model batching" in proc.stdout
+    engines = result["engines"]  # the engines' own checksums: the same on the device as on the host, and timed
+    assert engines["identity"] and all(engines["identity"].values())
+    assert {"vllm-sha256 on cpu", "sglang-cpu on cpu", "sglang-gpu on cpu"} <= set(engines["gbps"])
 
 
 def test_self_check_passes_in_the_interpreter() -> None:

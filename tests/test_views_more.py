@@ -573,3 +573,15 @@ def test_plot_predicted_cost_bars_dots_and_recorded_labels(tmp_path: Path) -> No
     fig.savefig(tmp_path / "cost.png")
     with pytest.raises(TableError, match="not a predicted-cost frame: no 'predicted_s'"):
         plot_predicted_cost(cost.drop(columns="predicted_s"))
+
+
+def test_bench_measures_every_algorithm_and_the_cli_start_up() -> None:
+    """What `wcviz bench` prints beside the backends: a rate per digest algorithm (the engines' too) and the CLI's
+    start-up against `import torch` alone; measured, never asserted as a speed."""
+    from wcviz.bench import algorithm_rates, cli_startup
+    from wcviz.digest import ALGORITHMS
+
+    rates = algorithm_rates(big_mib=1, repeat=1)
+    assert list(rates["algo"]) == list(ALGORITHMS) and (rates["gbps"] > 0).all()
+    start = cli_startup(repeat=1)
+    assert set(start) == {"wcviz digest", "import torch"} and all(v > 0 for v in start.values())

@@ -17,12 +17,14 @@ from pathlib import Path
 
 import pandas as pd
 
-from wcviz.digest import BACKENDS, digest_many, resolve_backend
+from wcviz.digest import ALGORITHMS, BACKENDS, digest_many, resolve_backend
 from wcviz.sim.model import TINY, TINY_MOE, ModelConfig, build_state_dict
 
 __all__ = [
     "COST_COLUMNS",
     "MODELS",
+    "algorithm_rates",
+    "cli_startup",
     "PREDICTED_COLUMNS",
     "ZOO",
     "checksum_cost",
@@ -169,6 +171,55 @@ def throughput(
         per_small = timed(small) / n_small - small_numel * 2 / (gbps * 1e9)
         rows.append({"backend": backend, "device": "cpu", "gbps": gbps, "overhead_s": max(per_small, 0.0), "rate_source": MEASURED_HERE})
     return pd.DataFrame(rows, columns=list(RATE_COLUMNS)).astype({"backend": "string", "device": "string", "rate_source": "string"})
+
+
+def algorithm_rates(*, big_mib: int = 64, repeat: int = 3) -> pd.DataFrame:
+    """GB/s of every digest algorithm (:data:`wcviz.digest.ALGORITHMS`) on one ``big_mib`` MiB bf16 tensor on this
+    CPU, the median of ``repeat``: wcviz's own (nemo-rl-v3 on the fastest backend, sha256) beside the engines'
+    (vllm-sha256, sglang-cpu, sglang-gpu). Columns: algo, device, gbps."""
+    import torch
+
+    if big_mib < 1 or repeat < 1:
+        raise ValueError("big_mib and repeat must be >= 1")
+    big = {"big": torch.randn(big_mib << 19).to(torch.bfloat16)}
+    rows = []
+    for algo in ALGORITHMS:
+        digest_many({"warm": big["big"][:4096]}, algo=algo)
+        times = []
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            digest_many(big, algo=algo)
+            times.append(time.perf_counter() - t0)
+        rows.append({"algo": algo, "device": "cpu", "gbps": (big_mib << 20) / statistics.median(times) / 1e9})
+    return pd.DataFrame(rows).astype({"algo": "string", "device": "string"})
+
+
+def cli_startup(repeat: int = 3) -> dict[str, float]:
+    """Seconds, best of ``repeat`` fresh processes: ``wcviz digest`` of a 4.6 MB checkpoint, and ``import torch``
+    alone (what the CLI no longer pays on checkpoints)."""
+    import dataclasses
+    import subprocess
+    import sys
+    import tempfile
+
+    from wcviz.sim.model import save_checkpoint
+
+    cfg = dataclasses.replace(TINY, hidden=256, intermediate=512, vocab=1024)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = save_checkpoint(build_state_dict(cfg), Path(tmp) / "ckpt", shards=1)
+        runs = {
+            "wcviz digest": [sys.executable, "-m", "wcviz", "digest", str(path), "--no-progress", "--out", str(Path(tmp) / "t.csv")],
+            "import torch": [sys.executable, "-c", "import torch"],
+        }
+        out = {}
+        for label, cmd in runs.items():
+            best = float("inf")
+            for _ in range(max(1, repeat)):
+                t0 = time.perf_counter()
+                subprocess.run(cmd, check=True, capture_output=True)
+                best = min(best, time.perf_counter() - t0)
+            out[label] = best
+    return out
 
 
 def recorded_rates(path: str | Path | None = None) -> pd.DataFrame:

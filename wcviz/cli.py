@@ -99,6 +99,7 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--big-mib", type=int, default=64, help="size of the large tensor the rate is measured on (default 64)")
     b.add_argument("--out", metavar="FILE", help="also write the frame (.csv/.parquet/.json)")
     b.add_argument("--plot", metavar="PNG", help="also draw the cost plot (predicted bars, measured dots) here")
+    b.add_argument("--quick", action="store_true", help="backends only: no per-algorithm rates, no CLI start-up timing")
 
     m = sub.add_parser("demo", help="run the simulated-cluster demo (what `make demo` runs)", add_help=False)
     m.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the demo (see wcviz demo --help)")
@@ -253,6 +254,13 @@ def _bench(args: argparse.Namespace) -> int:
     rates = throughput(args.backends, big_mib=args.big_mib)
     for r in rates.itertuples(index=False):
         print(f"measured: {r.backend} {r.gbps:.2f} GB/s on {args.big_mib} MiB of bf16, {r.overhead_s * 1e3:.3f} ms per extra tensor")
+    if not args.quick:
+        from wcviz.bench import algorithm_rates, cli_startup
+
+        for r in algorithm_rates(big_mib=args.big_mib).itertuples(index=False):
+            print(f"algorithm: {r.algo} {r.gbps:.2f} GB/s on {args.big_mib} MiB of bf16 (this CPU)")
+        start = cli_startup()
+        print(f"start-up: wcviz digest of a 4.6 MB checkpoint {start['wcviz digest']:.2f} s; import torch alone {start['import torch']:.2f} s")
     gpu = recorded_rates()
     for r in gpu.itertuples(index=False):
         print(f"{r.rate_source}: {r.backend} {r.gbps:.2f} GB/s, {r.overhead_s * 1e3:.3f} ms per extra tensor")
