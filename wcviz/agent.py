@@ -306,14 +306,13 @@ class Agent:
             raise _ClientError(400, str(e)) from None
 
         def digest() -> list[dict[str, Any]]:
-            from wcviz.sources import from_named_tensors
+            from wcviz.sources import named_tensor_rows
 
             with self._lock:
                 items = self._named()
                 if keep is not None:
                     items = [(n, t) for n, t in items if keep(n)]
-                frame = from_named_tensors(items, algo=self.algo, progress=False, **self._identity())
-            return [{k: _json_value(v) for k, v in rec.items()} for rec in frame.to_dict(orient="records")]
+                return named_tensor_rows(items, algo=self.algo, progress=False, **self._identity())  # plain JSON values
 
         return JSONResponse({"rows": await _in_thread(digest)})
 

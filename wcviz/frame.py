@@ -217,9 +217,10 @@ def validate(df: pd.DataFrame, source: str = "table") -> pd.DataFrame:
     _refuse_nested(df, source)
     parsed = {"layer": parse_layer, "block": parse_block, "expert": parse_expert}
     absent = [c for c in parsed if c not in df.columns]
-    if absent:  # a table from elsewhere: derive them from the names, as make_frame does
+    if absent:  # a table from elsewhere: derive them from the names, as make_frame does (each distinct name parsed once)
         names = df["name"].astype("object")
-        df = df.assign(**{c: names.map(lambda n, f=parsed[c]: None if pd.isna(n) else f(str(n))) for c in absent})
+        distinct = [n for n in names.unique() if not pd.isna(n)]
+        df = df.assign(**{c: names.map({n: parsed[c](str(n)) for n in distinct}) for c in absent})
     frame = _coerce(df, source)
     for col in REQUIRED:
         if frame[col].isna().any():

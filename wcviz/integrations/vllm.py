@@ -183,13 +183,6 @@ def _device_uuid(device: torch.device) -> str | None:
     return uuid if uuid.startswith(("GPU-", "MIG-")) else f"GPU-{uuid}"
 
 
-def _json_value(v: Any) -> Any:
-    """A frame cell as JSON (:func:`wcviz.frame.json_cell`), imported only when rows are sent."""
-    from wcviz.frame import json_cell
-
-    return json_cell(v)
-
-
 class WcvizWorkerExtension:
     """Methods vLLM mixes into each worker (``worker_extension_cls``); see the module doc."""
 
@@ -258,11 +251,10 @@ class WcvizWorkerExtension:
             if keep is not None:
                 named = [(n, t) for n, t in named if keep(n)]
             from wcviz.frame import IDENTITY
-            from wcviz.sources import from_named_tensors
+            from wcviz.sources import named_tensor_rows
 
             ident = {k: info[k] for k in ("role", *IDENTITY, "host")}  # no world_size: not a column
-            frame = from_named_tensors(named, algo=algo, progress=False, phase=phase, **ident)
-            rows = [{k: _json_value(v) for k, v in rec.items()} for rec in frame.to_dict(orient="records")]
+            rows = named_tensor_rows(named, algo=algo, progress=False, phase=phase, **ident)  # plain JSON values
             return {"info": info, "rows": rows}
         except Exception as e:  # noqa: BLE001 - answer, don't fail the whole collective_rpc
             return {"info": info or self.wcviz_info(), "error": one_line(e)}

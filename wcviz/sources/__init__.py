@@ -19,7 +19,7 @@ from wcviz.sources._http import act, act_agents, fetch, fetch_agents, fetch_info
 from wcviz.sources._ray import from_ray_actors
 from wcviz.sources._safetensors import checkpoint_files, from_safetensors
 from wcviz.sources._sglang import from_sglang, sglang_action, sglang_compare_mismatches
-from wcviz.sources._tensors import from_module, from_named_tensors, from_state_dict
+from wcviz.sources._tensors import from_module, from_named_tensors, from_state_dict, named_tensor_rows
 from wcviz.sources._vllm import EngineEndpointError, from_vllm_http, from_vllm_llm, vllm_collective_rpc
 from wcviz.sources._vllm_checker import from_vllm_weight_checker, vllm_checksum_keys, vllm_weight_checker, vllm_world_size
 
@@ -47,6 +47,7 @@ __all__ = [
     "from_vllm_llm",
     "from_vllm_weight_checker",
     "gather_frame",
+    "named_tensor_rows",
     "normalize_targets",
     "sglang_action",
     "sglang_compare_mismatches",

@@ -45,8 +45,10 @@ __all__ = [
     "Unreachable",
     "assemble",
     "check_expected",
+    "check_rows",
     "checked_url",
     "empty_reason",
+    "frames_of_rows",
     "identity_of",
     "key_of",
     "message_of",
@@ -208,6 +210,55 @@ def rows_frame(rows: Any, ident: Mapping[str, Any], label: str, what: str) -> pd
     return frame
 
 
+def check_rows(rows: Any, ident: Mapping[str, Any], what: str) -> list[dict[str, Any]]:
+    """A rank's answer as raw rows, checked the cheap way before any frame is built: row dicts, schema
+    columns only, and the rank's own identity in every row (what :func:`rows_frame` checks on a frame)."""
+    from wcviz.frame import COLUMNS
+
+    if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+        raise Failed(f"{what} did not give a list of row dicts: {str(rows)[:200]}")
+    keys = set().union(*rows) if rows else set()
+    unknown = sorted(str(k) for k in keys - set(COLUMNS))
+    if unknown:
+        raise Failed(f"{what} is not a digest table: unknown column(s) {', '.join(unknown)}")
+    for k in KEY:
+        want = ident.get(k)
+        wrong = next((r.get(k) for r in rows if r.get(k) != want), _NOTHING)
+        if wrong is not _NOTHING:
+            raise Failed(f"{what} rows claim {k}={wrong!r} but the rank's info says {k}={want!r}")
+    return rows
+
+
+_NOTHING = object()
+
+
+def frames_of_rows(collected: Sequence[tuple[str, dict[str, Any], dict[str, Any], list[dict[str, Any]]]], what: str) -> tuple[list[Collected], list[dict[str, Any]]]:
+    """Every rank's checked rows (:func:`check_rows`) as one validated frame, built once, cut back into each rank's
+    frame; a rank whose rows do not hold up (a value of the wrong type) is found apart and failed, naming why."""
+    if not collected:
+        return [], []
+    rows = [r for _, _, _, rs in collected for r in rs]
+    try:
+        big = validate(pd.DataFrame.from_records(rows), source="ranks") if rows else None
+    except TableError:  # someone's rows are bad: find whose, rank by rank (the slow way, only now)
+        out: list[Collected] = []
+        failed: list[dict[str, Any]] = []
+        for label, ident, info, rs in collected:
+            try:
+                out.append((label, ident, info, rows_frame(rs, ident, label, what)))
+            except Failed as e:
+                failed.append({"url": label, "kind": "failed", "error": str(e), **ident})
+        return out, failed
+    out = []
+    start = 0
+    for label, ident, info, rs in collected:
+        frame = big.iloc[start : start + len(rs)].reset_index(drop=True) if big is not None and rs else make_frame([])
+        start += len(rs)
+        frame["url"] = label
+        out.append((label, ident, info, frame))
+    return out, []
+
+
 def empty_reason(info: Mapping[str, Any] | None, rows: int, filtered: bool) -> str | None:
     """Why a rank that answered counts as empty (its info counts no parameters, or it gave no rows
     unfiltered), or None. A name filter that matches nothing on a rank is not an empty rank."""
@@ -347,6 +398,7 @@ def assemble(
     *,
     filtered: bool = False,
     targets: Sequence[str] | None = None,
+    validated: bool = False,
 ) -> FetchResult:
     """The one :class:`FetchResult` from the ranks collected and the failure rows (``url``, ``kind``,
     ``error`` and the identity known).
@@ -357,6 +409,8 @@ def assemble(
     identity, never by arrival. ``targets``: the targets in the caller's order (the
     result's ``urls``, and the order of ``failed``); without them, labels given twice
     get `` #1``, `` #2`` so each names one target, and ``failed`` is ordered by identity.
+    ``validated``: the frames are cuts of one validated frame (:func:`frames_of_rows`), so
+    their concatenation is not validated again.
     """
     failures = [dict(f) for f in failed]
     by_key: dict[tuple[Any, ...], list[Collected]] = {}
@@ -391,7 +445,7 @@ def assemble(
             frames.append(frame)
     if frames:
         frame = pd.concat(frames, ignore_index=True).sort_values(list(KEY), kind="stable", na_position="last")
-        frame = validate(frame.reset_index(drop=True), source="ranks")
+        frame = frame.reset_index(drop=True) if validated else validate(frame.reset_index(drop=True), source="ranks")
     else:
         frame = make_frame([])
         frame["url"] = pd.Series(dtype="string")

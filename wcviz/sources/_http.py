@@ -22,7 +22,6 @@ from collections.abc import Mapping
 from typing import Any
 
 import httpx
-import pandas as pd
 
 from wcviz._names import name_filter
 from wcviz._text import one_line
@@ -43,7 +42,8 @@ from wcviz.sources._fleet import (
     kind_of,
     message_of,
     normalize,
-    rows_frame,
+    check_rows,
+    frames_of_rows,
 )
 
 __all__ = ["FAILED_COLUMNS", "ActionResult", "FetchResult", "Targets", "act", "act_agents", "fetch", "fetch_agents", "fetch_infos"]
@@ -78,8 +78,8 @@ async def _get(client: httpx.AsyncClient, url: str, params: Mapping[str, str], t
 
 async def _fetch_one(
     client: httpx.AsyncClient, url: str, name: str | None, timeout_s: float, retries: int, known: dict[str, Any]
-) -> tuple[str, dict[str, Any], dict[str, Any], pd.DataFrame]:
-    """Info, then digests, of one agent: ``(url, identity, info, frame)``; the rows must carry the identity the info claimed.
+) -> tuple[str, dict[str, Any], dict[str, Any], list[dict[str, Any]]]:
+    """Info, then digests, of one agent: ``(url, identity, info, rows)``; the rows must carry the identity the info claimed.
 
     ``known`` holds the identity expected at ``url`` (possibly empty) and is updated with
     what the agent claims, so a failure is reported with the best identity there is.
@@ -92,12 +92,12 @@ async def _fetch_one(
     rows = body.get("rows") if isinstance(body, dict) else None
     if not isinstance(rows, list):
         raise Failed("/v1/digests did not answer {'rows': [...]}")
-    frame = rows_frame(rows, ident, url, "/v1/digests")
-    if name is None and isinstance(info.get("params"), int) and len(frame) != info["params"]:
-        raise Failed(f"/v1/info counts {info['params']} parameters but /v1/digests gave {len(frame)} rows")
-    if (why := empty_reason(info, len(frame), name is not None)) is not None:
+    rows = check_rows(rows, ident, "/v1/digests")  # the frame is built once, for every rank together
+    if name is None and isinstance(info.get("params"), int) and len(rows) != info["params"]:
+        raise Failed(f"/v1/info counts {info['params']} parameters but /v1/digests gave {len(rows)} rows")
+    if (why := empty_reason(info, len(rows), name is not None)) is not None:
         raise Empty(why)
-    return url, ident, info, frame
+    return url, ident, info, rows
 
 
 def _client(client: Any, transport: Any, timeout_s: float) -> tuple[httpx.AsyncClient, bool]:
@@ -151,7 +151,8 @@ async def fetch_agents(
             failed.append({"url": url, "kind": kind_of(outcome), "error": message, **known})
         else:
             collected.append(outcome)
-    return assemble(collected, failed, filtered=name is not None, targets=targets)
+    frames, bad = frames_of_rows(collected, "/v1/digests")
+    return assemble(frames, failed + bad, filtered=name is not None, targets=targets, validated=True)
 
 
 def _blocking(what: str, coro_fn: Any, *args: Any, **kwargs: Any) -> Any:

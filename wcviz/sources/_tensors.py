@@ -16,6 +16,43 @@ if TYPE_CHECKING:
 __all__ = ["from_module", "from_state_dict", "from_named_tensors"]
 
 
+def named_tensor_rows(
+    named: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
+    *,
+    algo: str = DEFAULT_ALGO,
+    backend: str = "auto",
+    progress: bool | None = None,
+    **rank_info: Any,
+) -> list[dict[str, Any]]:
+    """The rows of :func:`from_named_tensors`, as plain JSON-able dicts, without building a frame: what an agent
+    sends (``layer``, ``block`` and ``expert`` are left to :func:`wcviz.frame.make_frame`, which parses them)."""
+    info = check_rank_info(rank_info)
+    info.setdefault("phase", "current")
+    items = list(named.items() if isinstance(named, Mapping) else named)
+    timed = digest_timed(items, algo=algo, backend=backend, progress=progress)
+    shapes: dict[Any, str] = {}
+    rows = []
+    for name, t in items:
+        d, seconds = timed[name]
+        shape = shapes.get(t.shape)
+        if shape is None:
+            shape = shapes[t.shape] = shape_str(t.shape)
+        rows.append(
+            {
+                "name": name,
+                "digest": str(d),
+                "algo": d.algo,
+                "dtype": str(t.dtype).removeprefix("torch."),
+                "shape": shape,
+                "nbytes": t.numel() * t.element_size(),
+                "device": str(t.device),
+                "seconds": seconds,
+                **info,
+            }
+        )
+    return rows
+
+
 def from_named_tensors(
     named: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
     *,
@@ -26,27 +63,7 @@ def from_named_tensors(
 ) -> pd.DataFrame:
     """A digest table of named tensors; ``rank_info`` (role, rank, dp, pp, tp, ep, host,
     phase, step) is stamped on every row."""
-    info = check_rank_info(rank_info)
-    info.setdefault("phase", "current")
-    items = list(named.items() if isinstance(named, Mapping) else named)
-    timed = digest_timed(items, algo=algo, backend=backend, progress=progress)
-    rows = []
-    for name, t in items:
-        d, seconds = timed[name]
-        rows.append(
-            {
-                "name": name,
-                "digest": str(d),
-                "algo": d.algo,
-                "dtype": str(t.dtype).removeprefix("torch."),
-                "shape": shape_str(t.shape),
-                "nbytes": t.numel() * t.element_size(),
-                "device": str(t.device),
-                "seconds": seconds,
-                **info,
-            }
-        )
-    return make_frame(rows)
+    return make_frame(named_tensor_rows(named, algo=algo, backend=backend, progress=progress, **rank_info))
 
 
 def from_state_dict(
