@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -215,7 +216,12 @@ def test_a_rank_that_dies_after_its_reset_keeps_its_coordinates(ranks: list[Rank
 
     def reset_then_die() -> None:
         plain_reset()
-        threading.Thread(target=dying.agent.stop, daemon=True).start()  # gone before the reload
+        listener = dying.agent._server.servers[0]
+        threading.Thread(target=dying.agent.stop, daemon=True).start()
+        deadline = time.monotonic() + 10
+        while listener.is_serving() and time.monotonic() < deadline:  # gone before the reload, not merely going
+            time.sleep(0.01)
+        assert not listener.is_serving()
 
     dying.agent._actions["reset"] = reset_then_die
     urls = [r.agent.url for r in ranks]
