@@ -164,7 +164,8 @@ def main() -> None:
 
     cores = numba.config.NUMBA_NUM_THREADS
     print(f"Machine: {platform.machine()}, {cores} cores, torch {torch.__version__}, numba {numba.__version__}, "
-          f"torch threads {torch.get_num_threads()}, split 64-bit multiply: {_simd.SPLIT_MUL}")
+          f"torch threads {torch.get_num_threads()}, split 64-bit multiply: {_simd.SPLIT_MUL}, "
+          f"AVX-512: {_simd.WIDE}, blocks side by side: {_numba.GROUP}")
     print()
     digest_hex(torch.zeros(4096), backend="numba")  # compile / load the kernel cache
     fast = throughput(args, cores)

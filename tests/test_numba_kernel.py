@@ -248,3 +248,81 @@ def test_digest_many_reads_tensors_where_they_live_bit_identically() -> None:
     assert list(many) == list(named)
     for name, t in named.items():
         assert str(many[name]) == str(digest_hex(t, backend="torch")), name
+
+
+_LAYOUT_SCRIPT = """
+import json, sys
+import numpy as np
+from wcviz.digest import _numba
+B, G, C = _numba.BLOCK, _numba.GROUP, _numba._CHUNK
+sizes = sorted({0, 1, 3, 5, 2 * G - 1, 4 * G - 1, 4 * G, 4 * G + 1, B - 1, B + 1, G * B - 1, G * B, G * B + 1,
+                2 * G * B + 3, C - 1, C + 1, 2 * C + 5})
+out = []
+for i, n in enumerate(sizes):
+    lanes = np.random.default_rng(i).integers(0, 2**64 - 1, n, dtype=np.uint64, endpoint=True)
+    seed = (2 * i + 1, 7 * i)
+    words = [list(map(int, _numba.lanes_digest(lanes, seed))), list(map(int, _numba._digest_serial(lanes, np.uint64(seed[0]), np.uint64(seed[1]))))]
+    out.append([n, seed, words])
+print(json.dumps({"group": G, "cache": _numba._CACHE, "cases": out}))
+"""
+
+
+def test_every_block_layout_gives_the_reference_digest(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The layout not chosen for this host (4 blocks on AVX2, 16 on AVX-512) is bit-identical too."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    other = 4 if G == 16 else 16
+    env = {**os.environ, "WCVIZ_NUMBA_GROUP": str(other), "NUMBA_CACHE_DIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", _LAYOUT_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    answer = json.loads(done.stdout)
+    assert answer["group"] == other and answer["cache"] is False  # an override never uses the cache on disk
+    assert not any(tmp_path.iterdir())
+    assert len(answer["cases"]) >= 15
+    for i, (n, seed, words) in enumerate(answer["cases"]):
+        lanes = np.random.default_rng(i).integers(0, 2**64 - 1, n, dtype=np.uint64, endpoint=True)
+        want = list(_reference(lanes, tuple(seed)))
+        assert words == [want, want], f"GROUP={other}, {n} lanes"
+
+
+def test_a_bad_block_layout_override_is_named() -> None:
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "WCVIZ_NUMBA_GROUP": "5"}
+    done = subprocess.run([sys.executable, "-c", "import wcviz.digest._numba"], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "WCVIZ_NUMBA_GROUP='5'" in done.stderr, done.stderr[-2000:]
+
+
+_POOL_SCRIPT = """
+import os, numba, numpy as np
+from wcviz.digest import _numba
+_numba.lanes_digest(np.arange(1 << 16, dtype=np.uint64), (1, 2))  # a parallel kernel: the pool starts here
+print("LAYER", numba.threading_layer(), "LEFT", os.environ.get("OMP_WAIT_POLICY"), flush=True)
+"""
+
+
+@pytest.mark.parametrize("user_spin", [None, "12345"])
+def test_the_thread_pool_sleeps_when_idle_unless_the_user_said_otherwise(user_spin) -> None:  # type: ignore[no-untyped-def]
+    """numba's OpenMP threads must not spin between kernels (CPU taken from the host), and the environment is left as found."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    env["OMP_DISPLAY_ENV"] = "VERBOSE"  # libgomp prints its settings when it is loaded
+    if user_spin:
+        env["GOMP_SPINCOUNT"] = user_spin
+    done = subprocess.run([sys.executable, "-c", _POOL_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    layer = done.stdout.split("LAYER ")[1].split()[0]
+    if layer != "omp":
+        pytest.skip(f"numba's threading layer here is {layer}, not OpenMP")
+    assert "LEFT None" in done.stdout  # the variable was set only while numba loaded libgomp
+    spins = [line.split("=")[1].strip().strip("'") for line in (done.stdout + done.stderr).splitlines() if "GOMP_SPINCOUNT" in line]
+    assert spins, done.stderr[-2000:]
+    assert spins[-1] == (user_spin or "0")  # numba's libgomp is the last one loaded

@@ -12,6 +12,9 @@ so one ``_step`` folds 2 levels for 2 channels x 4 blocks on ``Vec(32)``
 values: 8 AVX2 registers of independent work that hide each multiply's
 latency while leaving registers for the multiply's temporaries (8 blocks,
 16 registers, spilled to the stack and measured ~10% slower on two threads).
+With AVX-512 (32 registers of 8 lanes, a native 64-bit multiply of 15 cycles'
+latency) ``GROUP`` is 16: 16 registers of independent work (55% -> 73% of the
+compute bound on a 2-core Xeon; 8 blocks gave 64%, 32 no more than 16).
 ``_simd`` also supplies the cheaper 64-bit multiply.
 
 - A chunk of width ``w >= 4 * GROUP`` lanes is cut into ``GROUP`` blocks of
@@ -29,8 +32,9 @@ latency while leaving registers for the multiply's temporaries (8 blocks,
 After a change, check that the vector code is still what runs: with an empty
 numba cache, ``_fold_group.inspect_asm(_fold_group.signatures[0])`` should be
 ``vpmulld``/``vpmuludq``/``vpsrlq`` on ``ymm`` registers, with no scalar
-``imul`` in the loops. Measured on the 2-core AVX2 EPYC: 72-88% of the
-compute bound, depending on the (noisy) host's load; see BENCHMARKS.md.
+``imul`` in the loops (``vpmullq`` on ``zmm`` with AVX-512). Measured: 72-88%
+of the compute bound on a 2-core AVX2 EPYC, 73-77% on a 2-core AVX-512 Xeon,
+where the bound itself is out of reach by ~6% (BENCHMARKS.md says why).
 
 All arithmetic is on ``uint64`` with ``uint64`` constants: mixing in a Python
 int would silently promote to float64 under numba. ``_mix`` works on scalars
@@ -39,6 +43,7 @@ and on ``_simd.Vec`` values alike.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -48,12 +53,20 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 from wcviz.digest import _spec
-from wcviz.digest._simd import cat, load, load_cols, splat, split, store
+from wcviz.digest._simd import WIDE, cat, load, load_cols, splat, split, store
 
 __all__ = ["BLOCK", "GROUP", "floor_rate", "lanes_digest", "lanes_digest_at", "lanes_digest_many", "set_threads"]
 
 BLOCK = 4096  # lanes per block (a subtree), the most a group uses: 4 blocks = 128 KiB of input
-GROUP = 4  # blocks folded side by side, one per vector element
+# Blocks folded side by side, one per vector element: 4 where a vector register holds 4 lanes and there are
+# 16 of them (AVX2; 8 spilled), 16 where it holds 8 and there are 32 (AVX-512: 16 chains of multiplies in
+# flight hide their 15-cycle latency). ``WCVIZ_NUMBA_GROUP`` overrides it, for the tests that check every
+# layout gives the same digest; an override compiles afresh and never touches numba's cache on disk.
+_GROUP_ASKED = os.environ.get("WCVIZ_NUMBA_GROUP", "")
+GROUP = int(_GROUP_ASKED) if _GROUP_ASKED else (16 if WIDE else 4)
+if GROUP not in (2, 4, 8, 16, 32):
+    raise ValueError(f"WCVIZ_NUMBA_GROUP={_GROUP_ASKED!r}: blocks folded side by side must be 2, 4, 8, 16 or 32")
+_CACHE = not _GROUP_ASKED
 _W = 2 * GROUP  # one tree position for both channels: [channel 1 x GROUP, channel 2 x GROUP]
 _W2, _W4 = 2 * _W, 4 * _W  # (vector widths must be plain constants)
 _SMALL = 4 * GROUP  # chunks narrower than this are folded by scalar code
@@ -85,19 +98,19 @@ _ZB1 = _U(_zero_root(0, BLOCK.bit_length() - 1))  # an all-zero block's roots
 _ZB2 = _U(_zero_root(1, BLOCK.bit_length() - 1))
 
 
-@njit(cache=True)
+@njit(cache=_CACHE)
 def _mix(x):  # type: ignore[no-untyped-def]
     x = (x ^ (x >> _S30)) * _K1
     x = (x ^ (x >> _S27)) * _K2
     return x ^ (x >> _S31)
 
 
-@njit(cache=True)
+@njit(cache=_CACHE)
 def _merge1(a, b):  # type: ignore[no-untyped-def]
     return _mix(_mix(a ^ _LT1) + _mix(b ^ _RT1) * _M1)
 
 
-@njit(cache=True)
+@njit(cache=_CACHE)
 def _merge2(a, b):  # type: ignore[no-untyped-def]
     return _mix(_mix(a ^ _LT2) + _mix(b ^ _RT2) * _M2)
 
@@ -105,7 +118,7 @@ def _merge2(a, b):  # type: ignore[no-untyped-def]
 # ---------------------------------------------------------------- vertical fold
 
 
-@njit(cache=True)
+@njit(cache=_CACHE)
 def _tweaks():  # type: ignore[no-untyped-def]
     """Per-element left tweak, right tweak and multiplier of one tree position (``Vec(_W)``)."""
     lt = cat(splat(_LT1, GROUP), splat(_LT2, GROUP))
@@ -114,7 +127,7 @@ def _tweaks():  # type: ignore[no-untyped-def]
     return lt, rt, m
 
 
-@njit(cache=True)
+@njit(cache=_CACHE)
 def _step(x):  # type: ignore[no-untyped-def]
     """Two tree levels: 4 positions (``Vec(4 * _W)``, position-major) to their root (``Vec(_W)``)."""
     lt, rt, m = _tweaks()
@@ -129,7 +142,7 @@ def _step(x):  # type: ignore[no-untyped-def]
     return _mix(left + right * m)  # level 2
 
 
-@njit(cache=True)
+@njit(cache=_CACHE)
 def _both_channels(x):  # type: ignore[no-untyped-def]
     """``[pos][block]`` (``Vec(4 * GROUP)``) to ``[pos][channel][block]`` (``Vec(4 * _W)``)."""
     h01, h23 = split(x)
@@ -138,7 +151,7 @@ def _both_channels(x):  # type: ignore[no-untyped-def]
     return cat(cat(cat(x0, x0), cat(x1, x1)), cat(cat(x2, x2), cat(x3, x3)))
 
 
-@njit(cache=True)
+@njit(cache=_CACHE)
 def _fold_group(src, lo, b, s):  # type: ignore[no-untyped-def]
     """Roots of the ``GROUP`` blocks of ``b`` lanes at ``src[lo:]`` (``b`` a power of two >= 4).
 
@@ -161,7 +174,7 @@ def _fold_group(src, lo, b, s):  # type: ignore[no-untyped-def]
 # ---------------------------------------------------------------- plan and chain
 
 
-@njit(cache=True)
+@njit(cache=_CACHE)
 def _width(m):  # type: ignore[no-untyped-def]
     """Lanes a chunk of ``m`` lanes is zero-padded to: a power of two, at least 2."""
     w = 2
@@ -170,7 +183,7 @@ def _width(m):  # type: ignore[no-untyped-def]
     return w
 
 
-@njit(cache=True)
+@njit(cache=_CACHE)
 def _plan(n):  # type: ignore[no-untyped-def]
     """(full chunks, lanes in the last chunk, its block size or 0, its groups, all groups)."""
     nchunks = max(1, (n + _CHUNK - 1) // _CHUNK)
@@ -182,7 +195,7 @@ def _plan(n):  # type: ignore[no-untyped-def]
     return full, last, b, groups, full * _GROUPS_PER_CHUNK + groups
 
 
-@njit(cache=True)
+@njit(cache=_CACHE)
 def _group(lanes, t, full, b_last, s, r1, r2):  # type: ignore[no-untyped-def]
     """Block roots of group ``t`` (counted over all chunks) into ``r1/r2[t * GROUP :]``."""
     n = lanes.shape[0]
@@ -209,7 +222,7 @@ def _group(lanes, t, full, b_last, s, r1, r2):  # type: ignore[no-untyped-def]
         r2[at + k] = s[GROUP + k]
 
 
-@njit(cache=True)
+@njit(cache=_CACHE)
 def _fold_scalar(v1, v2):  # type: ignore[no-untyped-def]
     """Roots of ``v1`` (channel 1) and ``v2`` (channel 2), power-of-two length >= 1; overwritten."""
     n = v1.shape[0]
@@ -221,7 +234,7 @@ def _fold_scalar(v1, v2):  # type: ignore[no-untyped-def]
     return v1[0], v2[0]
 
 
-@njit(cache=True)
+@njit(cache=_CACHE)
 def _chain(lanes, s1, s2, full, last, groups, r1, r2):  # type: ignore[no-untyped-def]
     """Fold each chunk's block roots, chain the chunk roots, finish: the digest words."""
     c1 = s1
@@ -244,7 +257,7 @@ def _chain(lanes, s1, s2, full, last, groups, r1, r2):  # type: ignore[no-untype
     return _mix(c1), _mix(c2)
 
 
-@njit(cache=True)
+@njit(cache=_CACHE)
 def _digest_serial(lanes, s1, s2):  # type: ignore[no-untyped-def]
     """The digest words of one tensor, on the calling thread."""
     full, last, b_last, groups, total = _plan(lanes.shape[0])
@@ -256,7 +269,7 @@ def _digest_serial(lanes, s1, s2):  # type: ignore[no-untyped-def]
     return _chain(lanes, s1, s2, full, last, groups, r1, r2)
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=_CACHE)
 def _digest_parallel(lanes, s1, s2):  # type: ignore[no-untyped-def]
     """The digest words of one tensor, its groups spread over the threads."""
     full, last, b_last, groups, total = _plan(lanes.shape[0])
@@ -268,7 +281,7 @@ def _digest_parallel(lanes, s1, s2):  # type: ignore[no-untyped-def]
     return _chain(lanes, s1, s2, full, last, groups, r1, r2)
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=_CACHE)
 def _digest_many(lanes, starts, counts, seeds, out):  # type: ignore[no-untyped-def]
     for i in prange(starts.shape[0]):
         a = starts[i]
@@ -286,7 +299,7 @@ def _void_ptr(typingctx, address):  # type: ignore[no-untyped-def]
     return types.voidptr(address), codegen
 
 
-@njit(cache=True)
+@njit(cache=_CACHE)
 def _digest_one_at(address, n, s1, s2):  # type: ignore[no-untyped-def]
     """The digest words of the ``n`` bytes at ``address``: whole aligned lanes read in place, else copied
     (an odd tail, an unaligned start) into zero-padded lanes. Apart from the parallel loop, so its
@@ -299,7 +312,7 @@ def _digest_one_at(address, n, s1, s2):  # type: ignore[no-untyped-def]
     return _digest_serial(lanes, s1, s2)
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=_CACHE)
 def _digest_at(addresses, nbytes, seeds, out):  # type: ignore[no-untyped-def]
     for i in prange(addresses.shape[0]):
         out[i, 0], out[i, 1] = _digest_one_at(addresses[i], nbytes[i], seeds[i, 0], seeds[i, 1])
@@ -310,7 +323,7 @@ def _digest_at(addresses, nbytes, seeds, out):  # type: ignore[no-untyped-def]
 _FLOOR_WIDTH = 32  # lanes per vector expression: 8 AVX2 registers in flight
 
 
-@njit(cache=True)
+@njit(cache=_CACHE)
 def _floor_pass(a, reps):  # type: ignore[no-untyped-def]
     """``reps`` times over ``a``: one ``_mix`` per lane, xor-accumulated (no carried multiply)."""
     acc = splat(_Z, _FLOOR_WIDTH)
@@ -325,7 +338,7 @@ def _floor_pass(a, reps):  # type: ignore[no-untyped-def]
     return x
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=_CACHE)
 def _floor(a, reps, tasks):  # type: ignore[no-untyped-def]
     out = np.empty(tasks, dtype=np.uint64)
     for t in prange(tasks):
@@ -341,11 +354,40 @@ def _floor(a, reps, tasks):  # type: ignore[no-untyped-def]
 _LOCK = threading.Lock()
 
 
+_POOL_STARTED = False
+
+
+def _start_pool() -> None:
+    """Start numba's thread pool, once, with threads that sleep when idle rather than spin (call under ``_LOCK``).
+
+    numba's default layer is OpenMP (its own libgomp, apart from torch's), whose idle threads spin for
+    ~300k iterations after every kernel: CPU taken from the process we run in and from its neighbours. A
+    refit's receiver and sender digesting side by side on 2 cores lost a third of their time to it (refit
+    ``log`` 1.9x -> 1.55x ``off``). libgomp reads ``OMP_WAIT_POLICY`` when it is loaded, so the variable is
+    set just while numba loads it, and only where the user set neither it nor ``GOMP_SPINCOUNT``.
+    """
+    global _POOL_STARTED
+    if _POOL_STARTED:
+        return
+    from numba.np.ufunc import parallel
+
+    quiet = "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ
+    if quiet:
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    try:
+        parallel._launch_threads()
+    finally:
+        if quiet:
+            os.environ.pop("OMP_WAIT_POLICY", None)
+    _POOL_STARTED = True
+
+
 def lanes_digest(lanes: np.ndarray, seed: tuple[int, int]) -> tuple[int, int]:
     """The two digest words (unsigned ints) of a ``uint64`` lane array."""
     lanes = np.ascontiguousarray(lanes, dtype=np.uint64).reshape(-1)
     kernel = _digest_serial if lanes.shape[0] < _SERIAL_BELOW else _digest_parallel
     with _LOCK:
+        _start_pool()
         d1, d2 = kernel(lanes, _U(seed[0]), _U(seed[1]))
     return int(d1), int(d2)
 
@@ -370,6 +412,7 @@ def lanes_digest_many(lanes: np.ndarray, starts: np.ndarray, counts: np.ndarray,
     out = np.empty((n, 2), dtype=np.uint64)
     if n:
         with _LOCK, numba.parallel_chunksize(1):  # tensors of mixed sizes: hand them out one by one
+            _start_pool()
             _digest_many(lanes, starts, counts, seeds, out)
     return out
 
@@ -394,6 +437,7 @@ def lanes_digest_at(addresses: np.ndarray, nbytes: np.ndarray, seeds: np.ndarray
     out = np.empty((n, 2), dtype=np.uint64)
     if n:
         with _LOCK, numba.parallel_chunksize(1):
+            _start_pool()
             _digest_at(addresses, nbytes, seeds, out)
     del keep_alive  # held until here: the kernel read the tensors' memory
     return out
@@ -413,6 +457,7 @@ def floor_rate(threads: int | None = None, seconds: float = 0.2) -> float:
     before = numba.get_num_threads()
     tasks = before if threads is None else threads
     with _LOCK:
+        _start_pool()
         numba.set_num_threads(tasks)
         try:
             _floor(a, 1, tasks)  # compile / warm
@@ -436,4 +481,6 @@ def floor_rate(threads: int | None = None, seconds: float = 0.2) -> float:
 
 def set_threads(n: int) -> None:
     """Threads the kernel may use (at most the cores numba found)."""
+    with _LOCK:
+        _start_pool()
     numba.set_num_threads(n)

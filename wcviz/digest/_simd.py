@@ -40,7 +40,7 @@ from llvmlite import ir
 from numba import types
 from numba.core.extending import intrinsic, models, overload, register_model
 
-__all__ = ["Vec", "SPLIT_MUL", "splat", "load", "store", "load_cols", "cat", "split", "mul_split", "mul_plain"]
+__all__ = ["Vec", "SPLIT_MUL", "WIDE", "splat", "load", "store", "load_cols", "cat", "split", "mul_split", "mul_plain"]
 
 _I64 = ir.IntType(64)
 _I32 = ir.IntType(32)
@@ -62,6 +62,17 @@ def _host_is_x86() -> bool:
 
 SPLIT_MUL = _host_is_x86() and not _host_has_avx512dq()
 """Whether ``*`` on vectors uses the two-multiply form (else LLVM's own ``mul``)."""
+
+
+def _host_has_avx512f() -> bool:
+    try:
+        return "+avx512f" in llvm.get_host_cpu_features().flatten().split(",")
+    except Exception:  # pragma: no cover - feature query unavailable
+        return False
+
+
+WIDE = _host_is_x86() and _host_has_avx512f()
+"""Whether the host has 32 vector registers of 8 lanes (AVX-512) rather than 16 of 4 (AVX2)."""
 
 
 class Vec(types.Type):
