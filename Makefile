@@ -46,8 +46,10 @@ browser:
 # The CPU benchmarks; on a machine with a CUDA GPU, also `$(BIN)/python benchmarks/gpu.py` (BENCHMARKS.md).
 bench: $(STAMP)
 	$(BIN)/python benchmarks/cpu_digest.py --repeat 5
+	$(BIN)/python benchmarks/mix_cost.py
 	$(BIN)/python benchmarks/refit.py --repeat 3
 	$(BIN)/python benchmarks/fanout.py --repeat 3
+	$(BIN)/python benchmarks/fanout_client.py
 	$(BIN)/python benchmarks/frame.py
 	$(BIN)/python benchmarks/engine_digests.py
 	$(BIN)/python benchmarks/checkpoint.py --mib 512

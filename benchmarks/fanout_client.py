@@ -38,3 +38,22 @@ pd.testing.assert_frame_equal(a.frame, b.frame)
 for label, fn in (("before: a frame per agent, validated again", old), ("after: one frame, built once", new)):
     best = min((lambda: (t := time.process_time(), fn(), time.process_time() - t)[2])() for _ in range(3))
     print(f"{label}: {best:.2f} s of CPU for {N} agents x {P} rows")
+
+# The agent's share: the body it answers for 500 bf16 tensors of 256 values (digests, rows, JSON), best of 10.
+import torch
+from wcviz.sources import from_named_tensors, named_tensor_rows
+from wcviz.digest import digest_many
+gen = torch.Generator().manual_seed(0)
+named = [(f"model.layers.{i // 16}.mlp.p{i % 16}.weight", torch.randn(256, generator=gen).to(torch.bfloat16)) for i in range(P)]
+ident = {"role": "engine", "rank": 3, "dp": 0, "pp": 0, "tp": 3}
+def agent_before():  # what an agent did before: a frame built, then taken apart into JSON rows
+    frame = from_named_tensors(named, progress=False, **ident)
+    return json.dumps({"rows": json.loads(frame.to_json(orient="records"))})
+def agent_after():
+    return json.dumps({"rows": named_tensor_rows(named, progress=False, **ident)})
+digest_many(named)  # compile / load the kernels
+assert [r["digest"] for r in json.loads(agent_after())["rows"]] == [str(d) for d in digest_many(named).values()]
+for label, fn in (("agent before: frame, then rows", agent_before), ("agent after: rows only", agent_after)):
+    fn()
+    best = min((lambda: (t := time.perf_counter(), fn(), time.perf_counter() - t)[2])() for _ in range(10))
+    print(f"{label}: {best * 1e3:.1f} ms for {P} parameters")

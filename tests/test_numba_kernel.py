@@ -288,41 +288,13 @@ def test_every_block_layout_gives_the_reference_digest(tmp_path) -> None:  # typ
         assert words == [want, want], f"GROUP={other}, {n} lanes"
 
 
-def test_a_bad_block_layout_override_is_named() -> None:
+@pytest.mark.parametrize("bad", ["5", "sixteen", "-4"])
+def test_a_bad_block_layout_override_is_named(bad: str) -> None:
     import os
     import subprocess
     import sys
 
-    env = {**os.environ, "WCVIZ_NUMBA_GROUP": "5"}
+    env = {**os.environ, "WCVIZ_NUMBA_GROUP": bad}
     done = subprocess.run([sys.executable, "-c", "import wcviz.digest._numba"], env=env, capture_output=True, text=True, timeout=120)
-    assert done.returncode != 0 and "WCVIZ_NUMBA_GROUP='5'" in done.stderr, done.stderr[-2000:]
+    assert done.returncode != 0 and f"WCVIZ_NUMBA_GROUP={bad!r}" in done.stderr, done.stderr[-2000:]
 
-
-_POOL_SCRIPT = """
-import os, numba, numpy as np
-from wcviz.digest import _numba
-_numba.lanes_digest(np.arange(1 << 16, dtype=np.uint64), (1, 2))  # a parallel kernel: the pool starts here
-print("LAYER", numba.threading_layer(), "LEFT", os.environ.get("OMP_WAIT_POLICY"), flush=True)
-"""
-
-
-@pytest.mark.parametrize("user_spin", [None, "12345"])
-def test_the_thread_pool_sleeps_when_idle_unless_the_user_said_otherwise(user_spin) -> None:  # type: ignore[no-untyped-def]
-    """numba's OpenMP threads must not spin between kernels (CPU taken from the host), and the environment is left as found."""
-    import os
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
-    env["OMP_DISPLAY_ENV"] = "VERBOSE"  # libgomp prints its settings when it is loaded
-    if user_spin:
-        env["GOMP_SPINCOUNT"] = user_spin
-    done = subprocess.run([sys.executable, "-c", _POOL_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    layer = done.stdout.split("LAYER ")[1].split()[0]
-    if layer != "omp":
-        pytest.skip(f"numba's threading layer here is {layer}, not OpenMP")
-    assert "LEFT None" in done.stdout  # the variable was set only while numba loaded libgomp
-    spins = [line.split("=")[1].strip().strip("'") for line in (done.stdout + done.stderr).splitlines() if "GOMP_SPINCOUNT" in line]
-    assert spins, done.stderr[-2000:]
-    assert spins[-1] == (user_spin or "0")  # numba's libgomp is the last one loaded

@@ -34,7 +34,7 @@ numba cache, ``_fold_group.inspect_asm(_fold_group.signatures[0])`` should be
 ``vpmulld``/``vpmuludq``/``vpsrlq`` on ``ymm`` registers, with no scalar
 ``imul`` in the loops (``vpmullq`` on ``zmm`` with AVX-512). Measured: 72-88%
 of the compute bound on a 2-core AVX2 EPYC, 73-77% on a 2-core AVX-512 Xeon,
-where the bound itself is out of reach by ~6% (BENCHMARKS.md says why).
+where no kernel of these operations can pass ~96% of it (BENCHMARKS.md says why).
 
 All arithmetic is on ``uint64`` with ``uint64`` constants: mixing in a Python
 int would silently promote to float64 under numba. ``_mix`` works on scalars
@@ -63,7 +63,7 @@ BLOCK = 4096  # lanes per block (a subtree), the most a group uses: 4 blocks = 1
 # flight hide their 15-cycle latency). ``WCVIZ_NUMBA_GROUP`` overrides it, for the tests that check every
 # layout gives the same digest; an override compiles afresh and never touches numba's cache on disk.
 _GROUP_ASKED = os.environ.get("WCVIZ_NUMBA_GROUP", "")
-GROUP = int(_GROUP_ASKED) if _GROUP_ASKED else (16 if WIDE else 4)
+GROUP = (int(_GROUP_ASKED) if _GROUP_ASKED.strip().isdigit() else -1) if _GROUP_ASKED else (16 if WIDE else 4)
 if GROUP not in (2, 4, 8, 16, 32):
     raise ValueError(f"WCVIZ_NUMBA_GROUP={_GROUP_ASKED!r}: blocks folded side by side must be 2, 4, 8, 16 or 32")
 _CACHE = not _GROUP_ASKED
@@ -354,40 +354,11 @@ def _floor(a, reps, tasks):  # type: ignore[no-untyped-def]
 _LOCK = threading.Lock()
 
 
-_POOL_STARTED = False
-
-
-def _start_pool() -> None:
-    """Start numba's thread pool, once, with threads that sleep when idle rather than spin (call under ``_LOCK``).
-
-    numba's default layer is OpenMP (its own libgomp, apart from torch's), whose idle threads spin for
-    ~300k iterations after every kernel: CPU taken from the process we run in and from its neighbours. A
-    refit's receiver and sender digesting side by side on 2 cores lost a third of their time to it (refit
-    ``log`` 1.9x -> 1.55x ``off``). libgomp reads ``OMP_WAIT_POLICY`` when it is loaded, so the variable is
-    set just while numba loads it, and only where the user set neither it nor ``GOMP_SPINCOUNT``.
-    """
-    global _POOL_STARTED
-    if _POOL_STARTED:
-        return
-    from numba.np.ufunc import parallel
-
-    quiet = "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ
-    if quiet:
-        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
-    try:
-        parallel._launch_threads()
-    finally:
-        if quiet:
-            os.environ.pop("OMP_WAIT_POLICY", None)
-    _POOL_STARTED = True
-
-
 def lanes_digest(lanes: np.ndarray, seed: tuple[int, int]) -> tuple[int, int]:
     """The two digest words (unsigned ints) of a ``uint64`` lane array."""
     lanes = np.ascontiguousarray(lanes, dtype=np.uint64).reshape(-1)
     kernel = _digest_serial if lanes.shape[0] < _SERIAL_BELOW else _digest_parallel
     with _LOCK:
-        _start_pool()
         d1, d2 = kernel(lanes, _U(seed[0]), _U(seed[1]))
     return int(d1), int(d2)
 
@@ -412,7 +383,6 @@ def lanes_digest_many(lanes: np.ndarray, starts: np.ndarray, counts: np.ndarray,
     out = np.empty((n, 2), dtype=np.uint64)
     if n:
         with _LOCK, numba.parallel_chunksize(1):  # tensors of mixed sizes: hand them out one by one
-            _start_pool()
             _digest_many(lanes, starts, counts, seeds, out)
     return out
 
@@ -437,7 +407,6 @@ def lanes_digest_at(addresses: np.ndarray, nbytes: np.ndarray, seeds: np.ndarray
     out = np.empty((n, 2), dtype=np.uint64)
     if n:
         with _LOCK, numba.parallel_chunksize(1):
-            _start_pool()
             _digest_at(addresses, nbytes, seeds, out)
     del keep_alive  # held until here: the kernel read the tensors' memory
     return out
@@ -457,7 +426,6 @@ def floor_rate(threads: int | None = None, seconds: float = 0.2) -> float:
     before = numba.get_num_threads()
     tasks = before if threads is None else threads
     with _LOCK:
-        _start_pool()
         numba.set_num_threads(tasks)
         try:
             _floor(a, 1, tasks)  # compile / warm
@@ -481,6 +449,4 @@ def floor_rate(threads: int | None = None, seconds: float = 0.2) -> float:
 
 def set_threads(n: int) -> None:
     """Threads the kernel may use (at most the cores numba found)."""
-    with _LOCK:
-        _start_pool()
     numba.set_num_threads(n)
