@@ -79,8 +79,9 @@ def test_engine_algorithms_are_byte_hashes_only() -> None:
         assert str(digest_hex(t, algo=algo)) != str(digest_hex(t + 1, algo=algo))
 
 
-@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("n", [*SIZES, 4 * TILE_BYTES, 4 * TILE_BYTES + 4, 9 * TILE_BYTES + 13, 13 * TILE_BYTES - 1])
 def test_sglang_gpu_compiled_kernel_matches_the_reference(n: int) -> None:
+    """Sizes past 4 tiles: the kernel walks 4 tiles side by side, then the tiles left over one by one."""
     raw = np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8)
     want = reference_sglang_gpu(raw)
     assert _sglang_gpu_host(raw) == want

@@ -82,7 +82,8 @@ class _Served:
                 self.shards[coords].load_weights(items)
 
     def app(self) -> Any:
-        raise NotImplementedError
+        """The engine's HTTP routes (a Starlette app): each fake engine (SimVllm, SimSglang) defines its own."""
+        raise NotImplementedError(f"{type(self).__name__} must define app(): the routes of the engine it fakes")
 
     def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
         """Serve on ``host:port`` (0: a free port); the base URL."""

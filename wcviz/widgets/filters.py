@@ -33,7 +33,8 @@ class VerdictFilters:
     drill_choice: str | None
 
     def empty_hint(self) -> str:
-        raise NotImplementedError
+        """Why there is nothing to show (defined by DashboardState, which knows the flow's step)."""
+        raise NotImplementedError(f"{type(self).__name__} must define empty_hint(): VerdictFilters is a mixin of DashboardState")
 
     def roles(self, v: pd.DataFrame) -> pd.Series:
         """The role of each verdict row: its own column, else the role its rank has in the frames."""
