@@ -220,6 +220,30 @@ def test_mix_on_vectors_matches_scalar() -> None:
     assert [int(v) for v in scalar[:4]] == [_spec._mix64(int(x)) for x in a[:4]]
 
 
+def test_a_tweak_folded_into_the_first_shift_is_the_same_mix() -> None:
+    """``_mix_tweaked(x, t ^ (t >> 30)) == _mix(x ^ t)``, on scalars and on vectors, for the kernel's tweaks and random ones."""
+    a, b = _pairs()
+
+    @njit
+    def both(a, t):  # type: ignore[no-untyped-def]
+        out = np.empty_like(a)
+        ref = np.empty_like(a)
+        for i in range(0, a.shape[0] - 15, 16):
+            tv = _simd.load(t, i, 16)
+            _simd.store(out, i, _numba._mix_tweaked(_simd.load(a, i, 16), tv ^ (tv >> np.uint64(30))))
+        for i in range(a.shape[0]):
+            ref[i] = _numba._mix(a[i] ^ t[i])
+        return out, ref
+
+    n = a.size // 16 * 16
+    tweaks = b[:n].copy()
+    tweaks[:4] = [_spec.LT[0], _spec.RT[0], _spec.LT[1], _spec.RT[1]]
+    vec, ref = both(a[:n], tweaks)
+    np.testing.assert_array_equal(vec, ref)
+    t = _spec.LT[0]
+    assert int(_numba._mix_tweaked(a[0], np.uint64(t ^ (t >> 30)))) == _spec._mix64(int(a[0]) ^ t)
+
+
 def test_digest_many_reads_tensors_where_they_live_bit_identically() -> None:
     """The batched host path reads contiguous tensors in place (aligned or not, odd tails copied in the kernel) and
     packs the rest; every kind of tensor digests as the torch reference does, in the order given."""

@@ -17,6 +17,15 @@ latency) ``GROUP`` is 16: 16 registers of independent work (55% -> 73% of the
 compute bound on a 2-core Xeon; 8 blocks gave 64%, 32 no more than 16).
 ``_simd`` also supplies the cheaper 64-bit multiply.
 
+Two things keep the vector ports fed (measured on that Xeon, BENCHMARKS.md):
+each level pair is a software-pipelined loop, the first half of step ``i``
+(``_step_a``: 16 chains at the leaves) written beside the second half of step
+``i - 1`` (``_step_b``: 4 chains waiting on their multiplies), so the scheduler
+always holds independent work (75% -> 84-87% of the bound; the same code under
+AVX2 code generation 64% -> 78%); and a tweak joins the first xor-shift of its
+mix as one three-way xor (``_mix_tweaked``), which also lets the two channels
+of a leaf share its shift (+2 points).
+
 - A chunk of width ``w >= 4 * GROUP`` lanes is cut into ``GROUP`` blocks of
   ``min(BLOCK, w / GROUP)`` lanes each group; groups wholly past the data are
   all-zero subtrees (a known root), a group straddling the end is copied into a
@@ -33,8 +42,8 @@ After a change, check that the vector code is still what runs: with an empty
 numba cache, ``_fold_group.inspect_asm(_fold_group.signatures[0])`` should be
 ``vpmulld``/``vpmuludq``/``vpsrlq`` on ``ymm`` registers, with no scalar
 ``imul`` in the loops (``vpmullq`` on ``zmm`` with AVX-512). Measured: 72-88%
-of the compute bound on a 2-core AVX2 EPYC, 73-77% on a 2-core AVX-512 Xeon,
-where no kernel of these operations can pass ~96% of it (BENCHMARKS.md says why).
+of the compute bound on a 2-core AVX2 EPYC before the pipelining, 84-87% on a
+2-core AVX-512 Xeon after it (90% with the input in cache).
 
 All arithmetic is on ``uint64`` with ``uint64`` constants: mixing in a Python
 int would silently promote to float64 under numba. ``_mix`` works on scalars
@@ -106,6 +115,15 @@ def _mix(x):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=_CACHE)
+def _mix_tweaked(x, c):  # type: ignore[no-untyped-def]
+    """``_mix(x ^ t)`` given ``c = t ^ (t >> 30)``: a logical shift distributes over xor, so the tweak
+    joins the first xor-shift as one three-way xor (``vpternlogq``) instead of an xor of its own."""
+    x = (x ^ (x >> _S30) ^ c) * _K1
+    x = (x ^ (x >> _S27)) * _K2
+    return x ^ (x >> _S31)
+
+
+@njit(cache=_CACHE)
 def _merge1(a, b):  # type: ignore[no-untyped-def]
     return _mix(_mix(a ^ _LT1) + _mix(b ^ _RT1) * _M1)
 
@@ -128,18 +146,32 @@ def _tweaks():  # type: ignore[no-untyped-def]
 
 
 @njit(cache=_CACHE)
-def _step(x):  # type: ignore[no-untyped-def]
-    """Two tree levels: 4 positions (``Vec(4 * _W)``, position-major) to their root (``Vec(_W)``)."""
+def _step_a(x):  # type: ignore[no-untyped-def]
+    """First half of a two-level step: 4 positions (``Vec(4 * _W)``, position-major) to the 2 merged
+    positions of the level above (``Vec(2 * _W)``), already xor-ed with their tweaks for level 2 (where
+    the last xor-shift of their mix joins it in one three-way xor)."""
     lt, rt, m = _tweaks()
     ltrt = cat(lt, rt)
-    x = _mix(x ^ cat(ltrt, ltrt))  # the leaves' own mixes, all 4 positions at once
+    c = ltrt ^ (ltrt >> _S30)
+    x = _mix_tweaked(x, cat(c, c))  # the leaves' own mixes, all 4 positions at once
     h01, h23 = split(x)
     p0, p1 = split(h01)
     p2, p3 = split(h23)
-    y = _mix(cat(p0, p2) + cat(p1, p3) * cat(m, m))  # level 1: positions (0, 1) and (2, 3)
-    y = _mix(y ^ ltrt)
-    left, right = split(y)
-    return _mix(left + right * m)  # level 2
+    return _mix(cat(p0, p2) + cat(p1, p3) * cat(m, m)) ^ ltrt  # level 1: positions (0, 1) and (2, 3)
+
+
+@njit(cache=_CACHE)
+def _step_b(y):  # type: ignore[no-untyped-def]
+    """Second half: the 2 tweaked positions of ``_step_a`` to their root (``Vec(_W)``), level 2."""
+    lt, rt, m = _tweaks()
+    left, right = split(_mix(y))
+    return _mix(left + right * m)
+
+
+@njit(cache=_CACHE)
+def _step(x):  # type: ignore[no-untyped-def]
+    """Two tree levels: 4 positions (``Vec(4 * _W)``, position-major) to their root (``Vec(_W)``)."""
+    return _step_b(_step_a(x))
 
 
 @njit(cache=_CACHE)
@@ -157,14 +189,27 @@ def _fold_group(src, lo, b, s):  # type: ignore[no-untyped-def]
 
     Leaves ``[roots channel 1 x GROUP, roots channel 2 x GROUP]`` in ``s[:_W]``;
     ``s`` is scratch of at least ``b // 4 * _W`` words.
+
+    Each level pair is one software-pipelined loop: the first half of step ``i``
+    (independent work for every block and channel) is written beside the second
+    half of step ``i - 1`` (a quarter as many chains, each waiting on its multiplies), so the
+    scheduler always holds work of both kinds.
     """
-    for i in range(b // 4):  # the first two levels, from the input rows
-        store(s, i * _W, _step(_both_channels(load_cols(src, lo, b, 4 * i, GROUP))))
     n = b // 4
-    while n >= 4:  # two levels at a time, in place: position j is written after 4j..4j+3 are read
-        for j in range(n // 4):
-            store(s, j * _W, _step(load(s, 4 * j * _W, _W4)))
+    y = _step_a(_both_channels(load_cols(src, lo, b, 0, GROUP)))  # the first two levels, from the input rows
+    for i in range(1, n):
+        y_next = _step_a(_both_channels(load_cols(src, lo, b, 4 * i, GROUP)))
+        store(s, (i - 1) * _W, _step_b(y))
+        y = y_next
+    store(s, (n - 1) * _W, _step_b(y))
+    while n >= 4:  # two levels at a time, in place: position j - 1 is written after 4j - 4 .. 4j - 1 were read
         n //= 4
+        y = _step_a(load(s, 0, _W4))
+        for j in range(1, n):
+            y_next = _step_a(load(s, 4 * j * _W, _W4))
+            store(s, (j - 1) * _W, _step_b(y))
+            y = y_next
+        store(s, (n - 1) * _W, _step_b(y))
     if n == 2:  # an odd level out
         lt, rt, m = _tweaks()
         left, right = split(_mix(load(s, 0, _W2) ^ cat(lt, rt)))

@@ -1,0 +1,113 @@
+"""Where the CPU kernel's time goes, in cache, on one thread: the whole fold, its leaf steps, its upper steps.
+
+    python benchmarks/fold_parts.py [--rounds 3]
+
+Each figure is a share of the compute bound (``floor / 6.6``, the floor timed in
+the same round). One group of ``GROUP`` blocks of ``BLOCK`` lanes (512 KiB with
+16 blocks: in L2) is folded again and again, so memory is out of the picture:
+
+- *whole fold*: ``_fold_group`` as the kernel runs it;
+- *leaf steps*: only the two-level steps that read the input rows (their
+  transpose at the load included), results dropped into 4 slots; they do 3/4 of
+  a fold's merges and are credited with that share;
+- *upper steps*: the same step on positions read back from a scratch row (no
+  transpose), as the levels above the leaves do, credited the same way.
+
+Each kind of step is timed as the kernel runs it (software-pipelined: the first
+half of step ``i`` beside the second half of step ``i - 1``) and one step after
+the other (``_step`` whole), which is what the pipelining bought.
+
+A step that runs below the bound with its inputs in L1 is limited by its own
+instructions (how they share the vector ports), not by memory or latency.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numba
+import numpy as np
+from numba import njit
+
+from wcviz.digest import _numba as K
+from wcviz.digest._simd import load, load_cols, store
+
+G, W, W4 = K.GROUP, K._W, K._W4
+
+
+@njit(cache=False)
+def _leaves(src, b, reps, s):  # type: ignore[no-untyped-def]
+    for _ in range(reps):
+        for i in range(b // 4):
+            store(s, (i & 3) * W, K._step(K._both_channels(load_cols(src, 0, b, 4 * i, G))))
+
+
+@njit(cache=False)
+def _uppers(src, b, reps, s):  # type: ignore[no-untyped-def]
+    for _ in range(reps):
+        for i in range(b // 16):
+            store(s, (i & 3) * W, K._step(load(src, 4 * i * W, W4)))
+
+
+@njit(cache=False)
+def _leaves_piped(src, b, reps, s):  # type: ignore[no-untyped-def]
+    for _ in range(reps):
+        y = K._step_a(K._both_channels(load_cols(src, 0, b, 0, G)))
+        for i in range(1, b // 4):
+            y_next = K._step_a(K._both_channels(load_cols(src, 0, b, 4 * i, G)))
+            store(s, ((i - 1) & 3) * W, K._step_b(y))
+            y = y_next
+        store(s, 3 * W, K._step_b(y))
+
+
+@njit(cache=False)
+def _uppers_piped(src, b, reps, s):  # type: ignore[no-untyped-def]
+    for _ in range(reps):
+        y = K._step_a(load(src, 0, W4))
+        for i in range(1, b // 16):
+            y_next = K._step_a(load(src, 4 * i * W, W4))
+            store(s, ((i - 1) & 3) * W, K._step_b(y))
+            y = y_next
+        store(s, 3 * W, K._step_b(y))
+
+
+@njit(cache=False)
+def _whole(src, b, reps, s):  # type: ignore[no-untyped-def]
+    for _ in range(reps):
+        K._fold_group(src, 0, b, s)
+
+
+def _lanes_per_second(f, src: np.ndarray, b: int, lanes: int, s: np.ndarray, reps: int = 20) -> float:  # type: ignore[no-untyped-def]
+    f(src, b, 1, s)  # compile, warm
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        f(src, b, reps, s)
+        best = min(best, time.perf_counter() - t0)
+    return lanes * reps / best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    b = K.BLOCK
+    src = np.random.default_rng(0).integers(0, 2**63, G * b, dtype=np.uint64)
+    s = np.empty(b // 4 * W, dtype=np.uint64)
+    numba.set_num_threads(1)
+    print(f"GROUP {G} blocks of {b} lanes side by side ({G * b * 8 >> 10} KiB), 1 thread; % of floor / 6.6 in the same round")
+    print("| round | whole fold | leaf steps, pipelined | upper steps, pipelined | leaf steps, one by one | upper steps, one by one |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    for r in range(args.rounds):
+        bound = K.floor_rate(1) / 6.6  # lanes per second
+        whole = _lanes_per_second(_whole, src, b, G * b, s) / bound
+        parts = [
+            0.75 * _lanes_per_second(f, src, b, lanes, s) / bound
+            for f, lanes in ((_leaves_piped, G * b), (_uppers_piped, G * b // 4), (_leaves, G * b), (_uppers, G * b // 4))
+        ]
+        print(f"| {r + 1} | {whole:.0%} | " + " | ".join(f"{p:.0%}" for p in parts) + " |")
+
+
+if __name__ == "__main__":
+    main()
