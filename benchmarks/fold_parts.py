@@ -37,39 +37,41 @@ G, W, W4 = K.GROUP, K._W, K._W4
 
 
 @njit(cache=False)
-def _leaves(src, b, reps, s):  # type: ignore[no-untyped-def]
-    for _ in range(reps):
-        for i in range(b // 4):
-            store(s, (i & 3) * W, K._step(K._both_channels(load_cols(src, 0, b, 4 * i, G))))
+def _leaf_input(src, b, i):  # type: ignore[no-untyped-def]
+    """Step ``i`` at the leaves: 4 positions of every block, transposed from the input rows."""
+    return K._both_channels(load_cols(src, 0, b, 4 * i, G))
 
 
 @njit(cache=False)
-def _uppers(src, b, reps, s):  # type: ignore[no-untyped-def]
-    for _ in range(reps):
-        for i in range(b // 16):
-            store(s, (i & 3) * W, K._step(load(src, 4 * i * W, W4)))
+def _upper_input(src, b, i):  # type: ignore[no-untyped-def]
+    """Step ``i`` above the leaves: 4 positions read back from a scratch row, no transpose."""
+    return load(src, 4 * i * W, W4)
 
 
-@njit(cache=False)
-def _leaves_piped(src, b, reps, s):  # type: ignore[no-untyped-def]
-    for _ in range(reps):
-        y = K._step_a(K._both_channels(load_cols(src, 0, b, 0, G)))
-        for i in range(1, b // 4):
-            y_next = K._step_a(K._both_channels(load_cols(src, 0, b, 4 * i, G)))
-            store(s, ((i - 1) & 3) * W, K._step_b(y))
-            y = y_next
-        store(s, 3 * W, K._step_b(y))
+def _steps(step_input, quarter: int, pipelined: bool):  # type: ignore[no-untyped-def]
+    """A loop of ``b // quarter`` steps on ``step_input``, results dropped into 4 slots: as the kernel
+    writes them (``pipelined``: first half of step i beside the second half of step i - 1) or one by one."""
+
+    @njit(cache=False)
+    def run(src, b, reps, s):  # type: ignore[no-untyped-def]
+        n = b // quarter
+        for _ in range(reps):
+            if pipelined:
+                y = K._step_a(step_input(src, b, 0))
+                for i in range(1, n):
+                    y_next = K._step_a(step_input(src, b, i))
+                    store(s, ((i - 1) & 3) * W, K._step_b(y))
+                    y = y_next
+                store(s, 3 * W, K._step_b(y))
+            else:
+                for i in range(n):
+                    store(s, (i & 3) * W, K._step(step_input(src, b, i)))
+
+    return run
 
 
-@njit(cache=False)
-def _uppers_piped(src, b, reps, s):  # type: ignore[no-untyped-def]
-    for _ in range(reps):
-        y = K._step_a(load(src, 0, W4))
-        for i in range(1, b // 16):
-            y_next = K._step_a(load(src, 4 * i * W, W4))
-            store(s, ((i - 1) & 3) * W, K._step_b(y))
-            y = y_next
-        store(s, 3 * W, K._step_b(y))
+_leaves_piped, _leaves = _steps(_leaf_input, 4, True), _steps(_leaf_input, 4, False)
+_uppers_piped, _uppers = _steps(_upper_input, 16, True), _steps(_upper_input, 16, False)
 
 
 @njit(cache=False)
