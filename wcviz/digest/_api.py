@@ -264,8 +264,9 @@ def _numba_many(tensors: Sequence[tuple[str, torch.Tensor]], sizes: Sequence[int
     from wcviz.digest import _numba
 
     n = len(tensors)
-    seed_list: list[tuple[int, int]] = []
-    known: dict[tuple[Any, Any], tuple[int, int]] = {}
+    seed_rows: list[tuple[int, int]] = []  # one per (dtype, shape) seen
+    seed_of: list[int] = []  # each tensor's row in it
+    known: dict[tuple[Any, Any], int] = {}
     direct: list[int] = []  # read where they live: one address and a byte count each
     addresses: list[int] = []
     lanes_of: list[int] = []  # their bytes
@@ -273,17 +274,18 @@ def _numba_many(tensors: Sequence[tuple[str, torch.Tensor]], sizes: Sequence[int
     for i, (_, t) in enumerate(tensors):
         nbytes = sizes[i]
         key = (t.dtype, t.shape)
-        seed = known.get(key)
-        if seed is None:
-            seed = known[key] = _spec.seeds(str(t.dtype), tuple(t.shape), nbytes)
-        seed_list.append(seed)
+        row = known.get(key)
+        if row is None:
+            row = known[key] = len(seed_rows)
+            seed_rows.append(_spec.seeds(str(t.dtype), tuple(t.shape), nbytes))
+        seed_of.append(row)
         if t.is_contiguous() and not (t.is_quantized or t.is_conj() or t.is_neg()):
             direct.append(i)
             addresses.append(t.data_ptr())
             lanes_of.append(nbytes)
         else:
             packed.append(i)
-    seeds = np.array(seed_list, dtype=np.uint64).reshape(n, 2)
+    seeds = np.array(seed_rows, dtype=np.uint64).reshape(-1, 2)[np.array(seed_of, dtype=np.intp)].reshape(n, 2)
     out = np.empty((n, 2), dtype=np.uint64)
     if direct:
         counts = np.array(lanes_of, dtype=np.int64)
@@ -386,12 +388,18 @@ def digest_timed(
     import torch
 
     strided = torch.strided
+    devices: list[Any] = []
+    kinds: dict[Any, str] = {}  # device -> its type ("cpu", "cuda", ...): ``device.type`` makes a new str each time
     for name, t in items:  # every input is checked before any work is done
         if not isinstance(t, torch.Tensor) or t.layout is not strided:
             _lanes.check_digestible(t, name)  # raises, naming what is wrong
-        kind = t.device.type
+        device = t.device
+        kind = kinds.get(device)
+        if kind is None:
+            kind = kinds[device] = device.type
         if kind == "meta":
             _lanes.check_digestible(t, name)
+        devices.append(device)
         sizes.append(t.numel() * t.element_size())
         if algo != _spec.ALGO:
             chosen.append("host")
@@ -410,33 +418,51 @@ def digest_timed(
         name, t = items[i]
         how, nbytes = chosen[i], sizes[i]
         if how == "triton" or (how == "numba" and nbytes <= SMALL_BYTES):
-            batches.setdefault((how, t.device), []).append(i)
+            batches.setdefault((how, devices[i]), []).append(i)
         elif how == "torch":
-            started.setdefault(t.device, time.perf_counter())
+            started.setdefault(devices[i], time.perf_counter())
             words = tensor_digest(t, backend="torch", name=name)
-            queued.setdefault(t.device, []).append((name, words, nbytes))
+            queued.setdefault(devices[i], []).append((name, words, nbytes))
         else:
             t0 = time.perf_counter()
             d = _sha256_of(t, name, algo) if algo != _spec.ALGO else _hex_words(tensor_digest(t, backend=how, name=name).tolist())
             out[name] = (d, time.perf_counter() - t0)
     for (how, _), group in batches.items():
         t0 = time.perf_counter()
-        host = _to_host(_words_many([items[i] for i in group], how, [sizes[i] for i in group]))  # the one sync for this batch
-        _share(out, [(items[i][0], pair, sizes[i]) for i, pair in zip(group, host)], time.perf_counter() - t0)
+        words = _words_many([items[i] for i in group], how, [sizes[i] for i in group])
+        hexes = _hex_rows(words) if how == "numba" else _hex_lists(_to_host(words))  # the one sync for this batch
+        _share(out, [(items[i][0], h, sizes[i]) for i, h in zip(group, hexes)], time.perf_counter() - t0)
     for device, rows in queued.items():
         import torch
 
-        host = _to_host(torch.stack([w for _, w, _ in rows]))  # the one sync for this device
-        _share(out, [(name, pair, b) for (name, _, b), pair in zip(rows, host)], time.perf_counter() - started[device])
+        hexes = _hex_lists(_to_host(torch.stack([w for _, w, _ in rows])))  # the one sync for this device
+        _share(out, [(name, h, b) for (name, _, b), h in zip(rows, hexes)], time.perf_counter() - started[device])
     return {name: out[name] for name, _ in items}
 
 
-def _share(out: dict[str, tuple[Digest, float]], rows: list[tuple[str, list[int], int]], total: float) -> None:
-    """Record batched digests, giving each a share of the batch's seconds by its bytes."""
+def _hex_rows(words: Any) -> list[str]:
+    """The 32-character hex of each ``(d1, d2)`` row of a host ``uint64`` array, formatted in one pass."""
+    import numpy as np
+
+    h = np.ascontiguousarray(words, dtype=np.uint64).astype(">u8").tobytes().hex()
+    return [h[i : i + 32] for i in range(0, len(h), 32)]
+
+
+def _hex_lists(rows: list[list[int]]) -> list[str]:
+    """The 32-character hex of each ``[d1, d2]`` pair of host ints (``int64`` words come negative)."""
+    mask = _spec.MASK64
+    return ["%016x%016x" % (d1 & mask, d2 & mask) for d1, d2 in rows]
+
+
+def _share(out: dict[str, tuple[Digest, float]], rows: list[tuple[str, str, int]], total: float) -> None:
+    """Record batched digests (hex), giving each a share of the batch's seconds by its bytes."""
     per_byte = total / (sum(b for _, _, b in rows) or 1)
     algo = _spec.ALGO
-    for name, (d1, d2), b in rows:
-        out[name] = (Digest("%016x%016x" % (d1 & _spec.MASK64, d2 & _spec.MASK64), algo), per_byte * b)
+    new = str.__new__
+    for name, h, b in rows:
+        d = new(Digest, h)  # Digest(h, algo) without the call overhead of its __new__
+        d.algo = algo
+        out[name] = (d, per_byte * b)
 
 
 def _to_host(words: torch.Tensor) -> list[list[int]]:
