@@ -485,3 +485,13 @@ def test_a_one_element_strided_view_digests_like_its_copy(i: int, algo: str) -> 
     if algo == "nemo-rl-v3":
         assert digest_hex(view, backend="torch") == want
         assert digest_many({"v": view, "c": copy})["v"] == want
+
+
+def test_batch_hex_forms_equal_the_one_by_one_form() -> None:
+    """The batched formatters (one pass over a uint64 array; int64 pairs from a device) give hex_of's text exactly."""
+    words = np.array([[0, 1], [2**64 - 1, 2**63], [0x0123456789ABCDEF, 0xFEDCBA9876543210]], dtype=np.uint64)
+    want = [_spec.hex_of(int(a), int(b)) for a, b in words]
+    assert want[1] == "f" * 16 + "8" + "0" * 15
+    assert _spec.hex_rows(words) == want
+    assert _spec.hex_pairs(words.view(np.int64).tolist()) == want  # negative int64 words, as torch gives them
+    assert _spec.hex_rows(np.empty((0, 2), dtype=np.uint64)) == []

@@ -430,28 +430,14 @@ def digest_timed(
     for (how, _), group in batches.items():
         t0 = time.perf_counter()
         words = _words_many([items[i] for i in group], how, [sizes[i] for i in group])
-        hexes = _hex_rows(words) if how == "numba" else _hex_lists(_to_host(words))  # the one sync for this batch
+        hexes = _spec.hex_rows(words) if how == "numba" else _spec.hex_pairs(_to_host(words))  # the one sync for this batch
         _share(out, [(items[i][0], h, sizes[i]) for i, h in zip(group, hexes)], time.perf_counter() - t0)
     for device, rows in queued.items():
         import torch
 
-        hexes = _hex_lists(_to_host(torch.stack([w for _, w, _ in rows])))  # the one sync for this device
+        hexes = _spec.hex_pairs(_to_host(torch.stack([w for _, w, _ in rows])))  # the one sync for this device
         _share(out, [(name, h, b) for (name, _, b), h in zip(rows, hexes)], time.perf_counter() - started[device])
     return {name: out[name] for name, _ in items}
-
-
-def _hex_rows(words: Any) -> list[str]:
-    """The 32-character hex of each ``(d1, d2)`` row of a host ``uint64`` array, formatted in one pass."""
-    import numpy as np
-
-    h = np.ascontiguousarray(words, dtype=np.uint64).astype(">u8").tobytes().hex()
-    return [h[i : i + 32] for i in range(0, len(h), 32)]
-
-
-def _hex_lists(rows: list[list[int]]) -> list[str]:
-    """The 32-character hex of each ``[d1, d2]`` pair of host ints (``int64`` words come negative)."""
-    mask = _spec.MASK64
-    return ["%016x%016x" % (d1 & mask, d2 & mask) for d1, d2 in rows]
 
 
 def _share(out: dict[str, tuple[Digest, float]], rows: list[tuple[str, str, int]], total: float) -> None:

@@ -28,6 +28,8 @@ __all__ = [
     "seeds",
     "to_i64",
     "hex_of",
+    "hex_pairs",
+    "hex_rows",
     "chunk_width",
     "reference_lanes_digest",
 ]
@@ -78,6 +80,19 @@ def _seeds(dtype_name: str, shape: tuple[int, ...], nbytes: int) -> tuple[int, i
 def hex_of(d1: int, d2: int) -> str:
     """The 32-character hex form of the two digest words."""
     return "%016x%016x" % (d1 & MASK64, d2 & MASK64)
+
+
+def hex_pairs(rows: Sequence[Sequence[int]]) -> list[str]:
+    """:func:`hex_of` of each ``[d1, d2]`` pair (``int64`` words come negative)."""
+    return ["%016x%016x" % (d1 & MASK64, d2 & MASK64) for d1, d2 in rows]
+
+
+def hex_rows(words: object) -> list[str]:
+    """:func:`hex_of` of each ``(d1, d2)`` row of a host ``uint64`` array, formatted in one pass (many digests)."""
+    import numpy as np
+
+    h = np.ascontiguousarray(words, dtype=np.uint64).astype(">u8").tobytes().hex()
+    return [h[i : i + 32] for i in range(0, len(h), 32)]
 
 
 def chunk_width(n: int) -> int:
