@@ -495,3 +495,14 @@ def test_batch_hex_forms_equal_the_one_by_one_form() -> None:
     assert _spec.hex_rows(words) == want
     assert _spec.hex_pairs(words.view(np.int64).tolist()) == want  # negative int64 words, as torch gives them
     assert _spec.hex_rows(np.empty((0, 2), dtype=np.uint64)) == []
+
+
+def test_digests_made_in_a_batch_are_digests() -> None:
+    """``Digest.many`` (the batched path's constructor) gives what ``Digest(h, algo)`` gives, one by one."""
+    hexes = [_spec.hex_of(1, 2), _spec.hex_of(2**64 - 1, 0)]
+    many = _api.Digest.many(hexes, "nemo-rl-v3")
+    one = [_api.Digest(h, "nemo-rl-v3") for h in hexes]
+    assert many == one and [d.algo for d in many] == [d.algo for d in one] == ["nemo-rl-v3"] * 2
+    assert [repr(d) for d in many] == [repr(d) for d in one]
+    assert [pickle.loads(pickle.dumps(d)).algo for d in many] == ["nemo-rl-v3"] * 2
+    assert _api.Digest.many([], "sha256") == []

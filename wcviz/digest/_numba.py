@@ -21,7 +21,7 @@ Two things keep the vector ports fed (measured on that Xeon, BENCHMARKS.md):
 each level pair is a software-pipelined loop, the first half of step ``i``
 (``_step_a``: 16 chains at the leaves) written beside the second half of step
 ``i - 1`` (``_step_b``: 4 chains waiting on their multiplies), so the scheduler
-always holds independent work (75% -> 84-87% of the bound; the same code under
+always holds independent work (75% -> 82-87% of the bound; the same code under
 AVX2 code generation 64% -> 78%); and a tweak joins the first xor-shift of its
 mix as one three-way xor (``_mix_tweaked``), which also lets the two channels
 of a leaf share its shift (+2 points).
@@ -42,8 +42,8 @@ After a change, check that the vector code is still what runs: with an empty
 numba cache, ``_fold_group.inspect_asm(_fold_group.signatures[0])`` should be
 ``vpmulld``/``vpmuludq``/``vpsrlq`` on ``ymm`` registers, with no scalar
 ``imul`` in the loops (``vpmullq`` on ``zmm`` with AVX-512). Measured: 72-88%
-of the compute bound on a 2-core AVX2 EPYC before the pipelining, 84-87% on a
-2-core AVX-512 Xeon after it (90% with the input in cache).
+of the compute bound on a 2-core AVX2 EPYC before the pipelining, 82-87% on a
+2-core AVX-512 Xeon after it (90% with the input in cache; BENCHMARKS.md).
 
 All arithmetic is on ``uint64`` with ``uint64`` constants: mixing in a Python
 int would silently promote to float64 under numba. ``_mix`` works on scalars
