@@ -9,10 +9,12 @@ lanes, whole groups past the data being all-zero subtrees; and ``CHUNK``.
 from __future__ import annotations
 
 import math
+import threading
 
 import numpy as np
 import pytest
 import torch
+import numba
 from numba import njit
 
 from wcviz.digest import _numba, _simd, _spec, _torch, digest_hex
@@ -83,6 +85,34 @@ def test_one_and_two_threads_agree() -> None:
         _numba.set_threads(before)
     assert one == two == _reference(lanes, seed)
     assert tuple(int(w) for w in many_one[0]) == one
+
+
+def test_the_kernels_release_the_gil() -> None:
+    # a digest on one thread must leave the host's other Python threads running (and lets the
+    # refit digest beside its copy)
+    for kernel in (_numba._digest_serial, _numba._digest_parallel, _numba._digest_many, _numba._digest_one_at, _numba._digest_at):
+        assert kernel.targetoptions.get("nogil") is True, kernel.py_func.__name__
+
+
+def test_a_thread_on_one_numba_thread_digests_without_the_pool_or_its_lock() -> None:
+    lanes = _random_lanes(4 * _numba._SERIAL_BELOW + 3, 11)
+    before = numba.get_num_threads()
+    want = _numba.lanes_digest(lanes, (5, 6))  # the parallel kernel, on this thread's pool
+    got: list[tuple[int, int]] = []
+
+    def one_thread() -> None:
+        _numba.set_threads(1)  # numba's thread count belongs to the calling thread
+        got.append(_numba.lanes_digest(lanes, (5, 6)))
+
+    with _numba._LOCK:  # held here: a digest that wanted the pool's lock would wait for it
+        t = threading.Thread(target=one_thread, daemon=True)
+        t.start()
+        t.join(60)
+        done = not t.is_alive()
+    t.join(60)
+    assert done, "the one-thread digest waited for the parallel kernel's lock"
+    assert got == [want] and want == _reference(lanes, (5, 6))
+    assert numba.get_num_threads() == before  # this thread's count is untouched
 
 
 def test_non_contiguous_input_is_read_as_its_copy() -> None:

@@ -14,6 +14,7 @@ import logging
 import multiprocessing as mp
 import os
 import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +23,7 @@ from typing import Any
 import pytest
 import torch
 
+from wcviz import DigestError
 from wcviz.refit import (
     Fault,
     FaultPlan,
@@ -152,6 +154,25 @@ def serve(cmd: dict[str, Any], calls: list[int]) -> dict[str, Any]:
         for name, t in batch:
             model[name].copy_(t)
 
+    beside: list[tuple[bool, bool]] = []  # per digested batch: (on the serving thread, its load had begun)
+    original_add_all = ipc._add_all
+
+    def probed(acc: Any, views: list[tuple[str, torch.Tensor]]) -> None:
+        if not views:  # nothing to load: load_weights is not called for this batch
+            return original_add_all(acc, views)
+        i = len(beside)
+        on_main = threading.current_thread() is threading.main_thread()
+        deadline = time.monotonic() + 10.0
+        while not on_main and len(loads) <= i and time.monotonic() < deadline:
+            time.sleep(0.001)  # beside the load: wait until the engine is loading this very batch
+        beside.append((on_main, len(loads) > i))
+        if cmd["slow_digest_s"]:
+            time.sleep(cmd["slow_digest_s"])
+        if cmd["break_digest"]:
+            raise DigestError(f"tensor {views[0][0]!r} cannot be read")
+        return original_add_all(acc, views)
+
+    ipc._add_all = probed
     wire: list[tuple[str, dict[str, Any]]] = []
     before = calls[0]
     digests: list[Any] = []
@@ -165,15 +186,19 @@ def serve(cmd: dict[str, Any], calls: list[int]) -> dict[str, Any]:
         faults=cmd["faults"],
         timeout_s=cmd["timeout_s"],
         wire_log=wire,
+        overlap=cmd["overlap"],
     ) as receiver:
         try:
             for _ in range(cmd["serves"]):
                 digests.append(receiver.serve())
         except BaseException as e:  # noqa: BLE001 - KeyboardInterrupt too: report it
             error = f"{type(e).__name__}: {e}"
+        finally:
+            ipc._add_all = original_add_all
         # the receiver is still open: serve() itself must have let go of every buffer
         mapped = [line for line in Path("/proc/self/maps").read_text().splitlines() if "wcviz_" in line]
     return {
+        "beside": beside,
         "error": error,
         "digests": [dict(d) if d is not None else None for d in digests],
         "model": {n: raw(t) for n, t in model.items()},
@@ -199,6 +224,9 @@ class Worker:
             "on_load": {},
             "hang_s": 0.0,
             "die_on_complete": False,
+            "overlap": False,
+            "slow_digest_s": 0.0,
+            "break_digest": False,
         }
         self.conn.send({**defaults, **cmd, "address": address})
 
@@ -295,15 +323,20 @@ def refit(
     timeout_s: float = 10.0,
     receiver_timeout_s: float = 10.0,
     send_kwargs: dict[str, Any] | None = None,
+    overlap: bool = False,
     **cmd: Any,
 ) -> Run:
-    """Stream each of ``sends`` (default: the model once) from this process to the worker; gather both ends."""
+    """Stream each of ``sends`` (default: the model once) from this process to the worker; gather both ends.
+
+    ``overlap`` is both ends' (digest beside the copy, or before it)."""
     sends = sends or (MODEL,)
     faults = faults or FaultPlan()
-    cmd |= {"verify": receiver_verify or verify, "faults": faults, "timeout_s": receiver_timeout_s}
+    cmd |= {"verify": receiver_verify or verify, "faults": faults, "timeout_s": receiver_timeout_s, "overlap": overlap}
     wire = TimedLog()
     results, errors, waited = [], [], []
-    with IPCSender(verify=verify, faults=faults, buffer_bytes=BUFFER, timeout_s=timeout_s, wire_log=wire) as sender:
+    with IPCSender(
+        verify=verify, faults=faults, buffer_bytes=BUFFER, timeout_s=timeout_s, wire_log=wire, overlap=overlap
+    ) as sender:
         worker.start(sender.address, **cmd)
         for tensors in sends:
             try:
@@ -593,6 +626,84 @@ def test_load_failure_is_reported_at_once_not_as_a_timeout(worker: Worker) -> No
     assert run.waited[0] < 5.0  # the error reply, not the 30-second timeout
     assert run.report["error"].startswith("RuntimeError")
     assert_clean(run)
+
+
+# --- digesting beside the copy: the same digests, on another thread, never past the buffer ----
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_the_receiver_digests_each_batch_while_the_engine_loads_it(worker: Worker, overlap: bool) -> None:
+    run = refit(worker, overlap=overlap)
+    assert run.result is not None and run.result.ok and run.report["error"] is None
+    if overlap:  # on the worker thread, while load_weights was loading that very batch
+        assert run.report["beside"] == [(False, True)] * len(BUCKETS)
+    else:  # on the serving thread, before load_weights was called for it
+        assert run.report["beside"] == [(True, False)] * len(BUCKETS)
+    assert_clean(run)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_the_sender_digests_beside_its_packing_only_when_asked(
+    worker: Worker, overlap: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    threads: list[bool] = []
+    original = ipc._add_new
+
+    def noted(acc: Any, named: list[tuple[str, torch.Tensor]]) -> None:
+        threads.append(threading.current_thread() is threading.main_thread())
+        original(acc, named)
+
+    monkeypatch.setattr(ipc, "_add_new", noted)
+    run = refit(worker, overlap=overlap)
+    assert run.result is not None and run.result.ok
+    assert len(threads) == len(BUCKETS) + 1  # each bucket, then whatever never went out (nothing here)
+    assert set(threads) == {not overlap}
+
+
+def test_digests_and_verdicts_do_not_depend_on_where_the_digest_ran(worker: Worker) -> None:
+    from wcviz.digest import digest_many
+
+    want = {n: str(d) for n, d in digest_many(MODEL).items()}
+    flip = FaultPlan([Fault("flip_bit", "wire", (FLIP,), bit=13)])
+    for overlap in (True, False):
+        clean, faulted = refit(worker, overlap=overlap), refit(worker, overlap=overlap, faults=flip)
+        assert clean.result is not None and clean.result.ok
+        assert dict(clean.result.sender) == want and dict(clean.result.receiver) == want
+        assert faulted.result is not None and faulted.result.mismatched == (FLIP,)
+        assert dict(faulted.result.sender) == want
+        assert {n for n, d in faulted.result.receiver.items() if d != want[n]} == {FLIP}
+
+
+def test_a_failed_load_waits_for_the_digest_still_reading_the_buffer(worker: Worker) -> None:
+    # the digest still reads batch 1's buffer when the load fails: the receiver must not unmap
+    # it under the digest (that would kill the process, and no report would come back)
+    run = refit(worker, timeout_s=30.0, on_load={1: "fail"}, slow_digest_s=0.3, overlap=True)
+    assert isinstance(run.error, RefitProtocolError) and "out of memory loading the batch" in str(run.error)
+    assert run.report["error"].startswith("RuntimeError")
+    assert run.report["beside"][:2] == [(False, True), (False, True)]
+    assert_clean(run)
+
+
+def test_an_error_on_the_receivers_digest_thread_is_its_answer(worker: Worker) -> None:
+    run = refit(worker, overlap=True, break_digest=True)
+    assert isinstance(run.error, RefitProtocolError) and "refused batch 0" in str(run.error)
+    assert "cannot be read" in str(run.error) and run.report["error"].startswith("DigestError")
+    assert_clean(run)
+
+
+def test_an_error_on_the_senders_digest_thread_reaches_the_caller(worker: Worker, monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(acc: Any, named: list[tuple[str, torch.Tensor]]) -> None:
+        raise DigestError(f"tensor {named[0][0]!r} cannot be read")
+
+    monkeypatch.setattr(ipc, "_add_new", broken)
+    with IPCSender(verify="log", buffer_bytes=BUFFER, timeout_s=10.0, overlap=True) as sender:
+        worker.start(sender.address)
+        with pytest.raises(DigestError, match="cannot be read"):
+            sender.send(MODEL)
+    report = worker.report()
+    assert report["error"] is None  # the receiver got the whole stream; the sender could not digest it
+    assert_arrived(report, MODEL)
+    assert shm_leftovers() == [] and report["mapped"] == []
 
 
 def test_no_receiver_is_a_timeout() -> None:

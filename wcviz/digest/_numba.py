@@ -302,7 +302,7 @@ def _chain(lanes, s1, s2, full, last, groups, r1, r2):  # type: ignore[no-untype
     return _mix(c1), _mix(c2)
 
 
-@njit(cache=_CACHE)
+@njit(nogil=True, cache=_CACHE)
 def _digest_serial(lanes, s1, s2):  # type: ignore[no-untyped-def]
     """The digest words of one tensor, on the calling thread."""
     full, last, b_last, groups, total = _plan(lanes.shape[0])
@@ -314,7 +314,7 @@ def _digest_serial(lanes, s1, s2):  # type: ignore[no-untyped-def]
     return _chain(lanes, s1, s2, full, last, groups, r1, r2)
 
 
-@njit(parallel=True, cache=_CACHE)
+@njit(parallel=True, nogil=True, cache=_CACHE)
 def _digest_parallel(lanes, s1, s2):  # type: ignore[no-untyped-def]
     """The digest words of one tensor, its groups spread over the threads."""
     full, last, b_last, groups, total = _plan(lanes.shape[0])
@@ -326,7 +326,7 @@ def _digest_parallel(lanes, s1, s2):  # type: ignore[no-untyped-def]
     return _chain(lanes, s1, s2, full, last, groups, r1, r2)
 
 
-@njit(parallel=True, cache=_CACHE)
+@njit(parallel=True, nogil=True, cache=_CACHE)
 def _digest_many(lanes, starts, counts, seeds, out):  # type: ignore[no-untyped-def]
     for i in prange(starts.shape[0]):
         a = starts[i]
@@ -344,7 +344,7 @@ def _void_ptr(typingctx, address):  # type: ignore[no-untyped-def]
     return types.voidptr(address), codegen
 
 
-@njit(cache=_CACHE)
+@njit(nogil=True, cache=_CACHE)
 def _digest_one_at(address, n, s1, s2):  # type: ignore[no-untyped-def]
     """The digest words of the ``n`` bytes at ``address``: whole aligned lanes read in place, else copied
     (an odd tail, an unaligned start) into zero-padded lanes. Apart from the parallel loop, so its
@@ -357,7 +357,7 @@ def _digest_one_at(address, n, s1, s2):  # type: ignore[no-untyped-def]
     return _digest_serial(lanes, s1, s2)
 
 
-@njit(parallel=True, cache=_CACHE)
+@njit(parallel=True, nogil=True, cache=_CACHE)
 def _digest_at(addresses, nbytes, seeds, out):  # type: ignore[no-untyped-def]
     for i in prange(addresses.shape[0]):
         out[i, 0], out[i, 1] = _digest_one_at(addresses[i], nbytes[i], seeds[i, 0], seeds[i, 1])
@@ -383,7 +383,7 @@ def _floor_pass(a, reps):  # type: ignore[no-untyped-def]
     return x
 
 
-@njit(parallel=True, cache=_CACHE)
+@njit(parallel=True, nogil=True, cache=_CACHE)
 def _floor(a, reps, tasks):  # type: ignore[no-untyped-def]
     out = np.empty(tasks, dtype=np.uint64)
     for t in prange(tasks):
@@ -393,18 +393,22 @@ def _floor(a, reps, tasks):  # type: ignore[no-untyped-def]
 
 # ---------------------------------------------------------------- Python API
 
-# One kernel at a time per process: numba's fallback "workqueue" threading layer
-# aborts the process when two threads launch parallel kernels at once, and the
-# kernel already uses every core, so serialising costs nothing.
+# One parallel kernel at a time per process: numba's fallback "workqueue" threading
+# layer aborts the process when two threads launch parallel kernels at once, and
+# the kernel already uses every core, so serialising costs nothing. The serial
+# kernel (small tensors; a thread set to one numba thread, as the refit's digest
+# beside the copy is) uses no pool and takes no lock. Every kernel releases the GIL.
 _LOCK = threading.Lock()
 
 
 def lanes_digest(lanes: np.ndarray, seed: tuple[int, int]) -> tuple[int, int]:
     """The two digest words (unsigned ints) of a ``uint64`` lane array."""
     lanes = np.ascontiguousarray(lanes, dtype=np.uint64).reshape(-1)
-    kernel = _digest_serial if lanes.shape[0] < _SERIAL_BELOW else _digest_parallel
-    with _LOCK:
-        d1, d2 = kernel(lanes, _U(seed[0]), _U(seed[1]))
+    if lanes.shape[0] < _SERIAL_BELOW or numba.get_num_threads() == 1:
+        d1, d2 = _digest_serial(lanes, _U(seed[0]), _U(seed[1]))  # no thread pool: no lock, and the GIL released
+    else:
+        with _LOCK:
+            d1, d2 = _digest_parallel(lanes, _U(seed[0]), _U(seed[1]))
     return int(d1), int(d2)
 
 

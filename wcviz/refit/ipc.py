@@ -48,6 +48,7 @@ import torch
 import zmq
 
 from wcviz.digest import DigestAccumulator, logical_bytes
+from wcviz.refit._beside import Beside, settle
 from wcviz.refit._control import ControlSocket, WireLog, check_address, checked_digests, checked_metadata, refused
 from wcviz.refit._packing import Bucket, Meta, aligned, nbytes, pack, plan, unpack, walk
 from wcviz.refit._packing import metadata as declared_metadata
@@ -58,6 +59,8 @@ from wcviz.refit.faults import FaultPlan, as_like, shifted
 from wcviz.refit.verify import RefitProtocolError, RefitResult, expected_names, verify_digests
 
 if TYPE_CHECKING:
+    from concurrent.futures import Future
+
     from typing_extensions import Self
 
 __all__ = ["DEFAULT_BUFFER_BYTES", "DEFAULT_TIMEOUT_S", "IPCReceiver", "IPCSender", "check_address"]
@@ -85,7 +88,11 @@ class IPCSender(Transport):
 
     ``address`` is an ``ipc://`` endpoint to bind; by default one in a private
     temporary directory (``.address`` says which, for the receiver). Use as a
-    context manager, or call :meth:`close`.
+    context manager, or call :meth:`close`. With verification on and every tensor
+    on the CPU, ``overlap=True`` digests on a worker thread, on one core, while
+    this thread packs (``_beside``); by default each bucket is digested on this
+    thread with every core numba has (BENCHMARKS.md, issue 16 part 7: on 2 cores
+    neither is faster).
     """
 
     def __init__(
@@ -98,9 +105,12 @@ class IPCSender(Transport):
         timeout_s: float = DEFAULT_TIMEOUT_S,
         device: torch.device | str | None = None,
         wire_log: WireLog | None = None,
+        overlap: bool = False,
     ) -> None:
         super().__init__(verify)
         self.faults = faults or FaultPlan()
+        self.overlap = overlap
+        self._beside = Beside()
         self.buffer_bytes = buffer_bytes
         self.timeout_s = timeout_s
         self.device = torch.device(device) if device is not None else None
@@ -143,6 +153,7 @@ class IPCSender(Transport):
         """Close the socket and remove its file (and the temporary directory). Idempotent."""
         self._closed = True
         try:
+            self._beside.close()
             self._close_socket()
         finally:
             if self._tmpdir is not None:
@@ -242,16 +253,22 @@ class IPCSender(Transport):
         """Send every bucket, ping-ponging between two staging buffers, then COMPLETE; the final ack.
 
         With ``acc``, the sender digests each parameter as given (``originals``,
-        before any fault) right after packing its bucket, so its digesting
-        overlaps the receiver's loading of the previous bucket.
+        before any fault) as it packs its bucket: on the worker thread while this
+        one packs (CPU tensors, ``overlap``), else on this thread, queued on the
+        tensor's device. Either way it overlaps the receiver's loading of the
+        previous bucket.
         """
         sock = self._open_socket()
+        beside = acc is not None and self.overlap and all(t.device.type == "cpu" for t in originals.values())
+        jobs: list[Future[None]] = []
 
         def digest(names: Iterable[str]) -> None:
             if acc is not None:
-                for n in names:
-                    if n not in acc:
-                        acc.add(n, originals[n])  # queued on the tensor's device; no host sync until acc.hex()
+                todo = [(n, originals[n]) for n in names]
+                if beside:
+                    jobs.append(self._beside.submit(_add_new, acc, todo))
+                else:
+                    _add_new(acc, todo)  # queued on the tensor's device; no host sync until acc.hex()
 
         tensors = dict(wire)
         buckets = plan([(n, nbytes(t)) for n, t in wire], self.buffer_bytes)
@@ -260,7 +277,7 @@ class IPCSender(Transport):
         staging: list[OwnedBuffer] = []
         pending: tuple[int, OwnedBuffer | None] | None = None  # the batch whose ack is due, and its temporary buffer
 
-        def settle() -> None:
+        def acknowledged() -> None:
             nonlocal pending
             if pending is not None:
                 k, temp = pending
@@ -272,10 +289,11 @@ class IPCSender(Transport):
                     raise error
 
         with contextlib.ExitStack() as cleanup:
+            cleanup.callback(lambda: settle(jobs, raise_errors=False))  # last out: nothing left reading the tensors
             for k, bucket in enumerate(buckets):
                 temp = None
                 if bucket.own:
-                    settle()  # at most one temporary buffer alive at a time
+                    acknowledged()  # at most one temporary buffer alive at a time
                     temp = buf = OwnedBuffer(bucket.used, device, transient=True)
                     cleanup.callback(temp.close)
                 else:  # ping-pong: the buffer whose batch was acknowledged before the last one went out
@@ -286,10 +304,10 @@ class IPCSender(Transport):
                         buf = staging.pop(0)
                     staging.append(buf)
                 assert buf.tensor is not None
+                digest(bucket.names)
                 self._pack(buf.tensor, bucket, tensors)
                 _sync(buf.tensor)
-                digest(bucket.names)
-                settle()  # batch k-1 was loading while we packed and digested batch k
+                acknowledged()  # batch k-1 was loading while we packed and digested batch k
                 if self.faults.drops_buffer(k):  # lost on the wire: its names count as sent, never arrive
                     if temp is not None:
                         temp.close()
@@ -299,10 +317,11 @@ class IPCSender(Transport):
                     f"batch {k}",
                 )
                 pending = (k, temp)
-            settle()
+            acknowledged()
             digest(originals)  # what never went on the wire (dropped) is still part of what was sent
             sock.send({"op": "complete"}, "COMPLETE")
             reply = sock.recv("the final ack")
+            settle(jobs)  # the worker's digests, and its errors
         if (error := refused("the end of the stream", self.address, reply)) is not None:
             raise error
         return reply
@@ -322,6 +341,19 @@ class IPCSender(Transport):
                     raise ValueError(f"fault flip_bit on {name!r}: the parameter has no bytes to flip")
                 i = offset + (f.bit // 8) % n
                 buf[i : i + 1].bitwise_xor_(1 << (f.bit % 8))
+
+
+def _add_new(acc: DigestAccumulator, named: list[tuple[str, torch.Tensor]]) -> None:
+    """Digest each tensor not digested yet (the sender's last pass covers what was never packed)."""
+    for n, t in named:
+        if n not in acc:
+            acc.add(n, t)
+
+
+def _add_all(acc: DigestAccumulator, named: list[tuple[str, torch.Tensor]]) -> None:
+    """Digest each tensor (a name that comes twice is the accumulator's error, naming it)."""
+    for n, t in named:
+        acc.add(n, t)
 
 
 def _pack_shifted(buf: torch.Tensor, offset: int, t: torch.Tensor, shift: int) -> None:
@@ -358,7 +390,10 @@ class IPCReceiver(Transport):
     ``metadata`` is ``{name: (shape, dtype)}`` for what its model expects;
     ``load_weights`` gets a list of ``(name, tensor)`` views into the shared
     buffer, valid only during the call (copy them). With verification on, the
-    receiver digests every view it loads and returns the digests in the final ack.
+    receiver digests every view it loads, before loading it, and returns the
+    digests in the final ack. ``overlap=True`` (CPU buffers) digests on a worker
+    thread while ``load_weights`` reads the same views (``_beside``): only for a
+    ``load_weights`` that never writes into its inputs.
     """
 
     def __init__(
@@ -371,8 +406,11 @@ class IPCReceiver(Transport):
         faults: FaultPlan | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         wire_log: WireLog | None = None,
+        overlap: bool = False,
     ) -> None:
         super().__init__(verify)
+        self.overlap = overlap
+        self._beside = Beside()
         self.address = address
         self.metadata: dict[str, Meta] = declared_metadata(metadata)
         self.load_weights = load_weights
@@ -395,6 +433,7 @@ class IPCReceiver(Transport):
 
     def close(self) -> None:
         """Let go of every attached buffer and close the socket. Idempotent."""
+        self._beside.close()
         self._release()
         sock, self._sock = self._sock, None
         if sock is not None:
@@ -467,11 +506,19 @@ class IPCReceiver(Transport):
         try:
             assert buf.tensor is not None
             views = self._faulted([(n, unpack(buf.tensor, off, m)) for n, off, m in entries], stream)
-            if stream.acc is not None:
-                for name, t in views:
-                    stream.acc.add(name, t)
-            if views:
-                self.load_weights(views)
+            job = None
+            if stream.acc is not None and self.overlap and not buf.tensor.is_cuda:
+                job = self._beside.submit(_add_all, stream.acc, list(views))  # its own list: load_weights may consume it
+            elif stream.acc is not None:
+                _add_all(stream.acc, views)
+            try:
+                if views:
+                    self.load_weights(views)
+            finally:
+                if job is not None:  # it reads the buffer: done before the buffer is freed or acknowledged
+                    settle([job], raise_errors=False)
+            if job is not None:
+                job.result()
             _sync(buf.tensor)  # the sender may overwrite the buffer once we ack
         finally:
             if handle.transient:
