@@ -10,7 +10,9 @@ take turns, ``--repeat`` rounds of one refit each; the best wall time of
 the last batch and, when verifying, sent its digests). Ratios are against off.
 ``log, overlap=True`` digests beside the copy at both ends (a worker thread on
 one core digests while the calling thread packs or loads); the others digest,
-then copy, on numba's parallel kernel.
+then copy, on numba's parallel kernel. ``keep_buffers=False`` is the sender
+before it kept its staging buffers between sends: fresh shared memory, faulted
+in and zeroed, every refit.
 Beside each wall time, the CPU time both processes spent in that send (Linux:
 the receiver's from ``/proc``): what the refit costs the machine, and with the
 number of cores, the least wall time any overlap of that work could reach.
@@ -98,13 +100,21 @@ def main() -> None:
     print(f"model: {len(sd)} tensors, {nbytes / 2**30:.2f} GiB bf16; staging buffer {args.buffer_mib} MiB x 2; "
           f"best of {args.repeat}")
     ctx = mp.get_context("spawn")
-    runs = {"off": ("off", False), "log": ("log", False), "log, overlap=True": ("log", True), "enforce": ("enforce", False)}
+    runs: dict[str, tuple[str, dict[str, bool]]] = {
+        "off": ("off", {}),
+        "off, keep_buffers=False": ("off", {"keep_buffers": False}),
+        "log": ("log", {}),
+        "log, keep_buffers=False": ("log", {"keep_buffers": False}),
+        "log, overlap=True": ("log", {"overlap": True}),
+        "enforce": ("enforce", {}),
+    }
     times: dict[str, list[tuple[float, float]]] = {label: [] for label in runs}
     with contextlib.ExitStack() as stack:
         ends = {}  # label -> (sender, its receiver's process)
-        for label, (mode, overlap) in runs.items():
+        for label, (mode, options) in runs.items():
+            overlap = options.get("overlap", False)
             s = stack.enter_context(
-                IPCSender(verify=mode, buffer_bytes=args.buffer_mib << 20, timeout_s=300, overlap=overlap)
+                IPCSender(verify=mode, buffer_bytes=args.buffer_mib << 20, timeout_s=300, **options)
             )
             proc = ctx.Process(
                 target=receiver, args=(s.address, args.layers, args.hidden, mode, args.repeat + 1, overlap)

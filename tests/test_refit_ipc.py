@@ -628,6 +628,51 @@ def test_load_failure_is_reported_at_once_not_as_a_timeout(worker: Worker) -> No
     assert_clean(run)
 
 
+# --- staging buffers kept from one send to the next -----------------------------------
+
+
+def _staging_keys(wire: list[tuple[str, dict[str, Any]]]) -> list[set[str]]:
+    """The staging buffers (not the temporary ones) each stream's batches went out in, stream by stream."""
+    streams: list[set[str]] = [set()]
+    for direction, m in wire:
+        if direction == "send" and m["op"] == "batch" and not m["buffer"].transient:
+            streams[-1].add(m["buffer"].key)
+        elif direction == "send" and m["op"] == "complete":
+            streams.append(set())
+    return streams[:-1]
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_staging_buffers_are_kept_between_sends_unless_asked_not_to(worker: Worker, keep: bool) -> None:
+    second = {n: t + 1 if t.is_floating_point() else t * 2 for n, t in MODEL.items()}
+    wire = TimedLog()
+    with IPCSender(verify="log", buffer_bytes=BUFFER, timeout_s=10.0, wire_log=wire, keep_buffers=keep) as sender:
+        worker.start(sender.address, serves=2)
+        first_result = sender.send(MODEL)
+        between = shm_leftovers()  # what this process holds while the trainer trains
+        second_result = sender.send(second)
+    report = worker.report()
+    assert first_result.ok and second_result.ok and report["error"] is None
+    assert_arrived(report, second)
+    keys = _staging_keys(wire)
+    assert len(keys) == 2 and all(len(k) == 2 for k in keys)
+    if keep:
+        assert keys[0] == keys[1] and sorted(between) == sorted(keys[0])
+    else:
+        assert not keys[0] & keys[1] and between == []
+    assert shm_leftovers() == [] and report["mapped"] == []  # close() freed them; the receiver let go after each stream
+
+
+def test_a_failed_send_frees_its_staging_buffers(worker: Worker) -> None:
+    with IPCSender(verify="log", buffer_bytes=BUFFER, timeout_s=10.0) as sender:
+        worker.start(sender.address, on_load={1: "fail"})
+        with pytest.raises(RefitProtocolError, match="out of memory loading the batch"):
+            sender.send(MODEL)
+        assert shm_leftovers() == []  # nothing kept that a receiver which gave up mid-batch might still read
+        assert sender._kept == []
+    assert worker.report()["error"].startswith("RuntimeError")
+
+
 # --- digesting beside the copy: the same digests, on another thread, never past the buffer ----
 
 

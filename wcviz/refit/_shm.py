@@ -145,6 +145,7 @@ class OwnedBuffer:
 
     def __init__(self, nbytes: int, device: torch.device, *, transient: bool = False) -> None:
         size = max(nbytes, 1)  # neither a segment nor frombuffer can be empty
+        self.device = device
         self._shm: SharedMemory | None = None
         if device.type == "cpu":
             self._shm = SharedMemory(name=_unique_key(), create=True, size=size)

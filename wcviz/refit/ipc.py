@@ -92,7 +92,11 @@ class IPCSender(Transport):
     on the CPU, ``overlap=True`` digests on a worker thread, on one core, while
     this thread packs (``_beside``); by default each bucket is digested on this
     thread with every core numba has (BENCHMARKS.md, issue 16 part 7: on 2 cores
-    neither is faster).
+    neither is faster). ``keep_buffers`` (the default) keeps the two CPU staging
+    buffers from one send to the next, so a refit does not fault in and zero
+    ``2 * buffer_bytes`` of fresh shared memory each time (off: 0.39 s -> 0.22-0.31 s
+    per GiB on 2 cores); they are freed by :meth:`close`, after a send that failed,
+    and when a send needs another size. CUDA staging buffers are freed after each send.
     """
 
     def __init__(
@@ -106,10 +110,13 @@ class IPCSender(Transport):
         device: torch.device | str | None = None,
         wire_log: WireLog | None = None,
         overlap: bool = False,
+        keep_buffers: bool = True,
     ) -> None:
         super().__init__(verify)
         self.faults = faults or FaultPlan()
         self.overlap = overlap
+        self.keep_buffers = keep_buffers
+        self._kept: list[OwnedBuffer] = []  # the staging buffers, between sends
         self._beside = Beside()
         self.buffer_bytes = buffer_bytes
         self.timeout_s = timeout_s
@@ -154,6 +161,7 @@ class IPCSender(Transport):
         self._closed = True
         try:
             self._beside.close()
+            self._free_staging()
             self._close_socket()
         finally:
             if self._tmpdir is not None:
@@ -201,6 +209,7 @@ class IPCSender(Transport):
         except BaseException:
             # prepare again next time: the receiver may have changed, and a prepare restarts its stream
             self.metadata = None
+            self._free_staging()  # a receiver that gave up mid-batch may still read them: fresh ones next time
             if self._sock is not None and self._sock.awaiting:  # a REQ socket cannot send again before its reply
                 self._close_socket()
             raise
@@ -208,6 +217,11 @@ class IPCSender(Transport):
         if acc is None:
             return RefitResult(self.mode, params=len(tensors), nbytes=size, expected=len(want))
         return verify_digests(self.mode, acc.hex(), checked_digests(reply.get("digests"), self.address), nbytes=size, expected=want)
+
+    def _free_staging(self) -> None:
+        kept, self._kept = self._kept, []
+        for buf in kept:
+            buf.close()
 
     def _check_framing(self, tensors: list[tuple[str, torch.Tensor]], metadata: Mapping[str, Meta]) -> None:
         """Refuse, before anything is sent, names the receiver lacks and byte sizes it does not expect.
@@ -275,6 +289,8 @@ class IPCSender(Transport):
         device = self.device or (wire[0][1].device if wire else torch.device("cpu"))
         staging_size = max((b.used for b in buckets if not b.own), default=0)
         staging: list[OwnedBuffer] = []
+        if any(b.handle.nbytes != max(staging_size, 1) or b.device != device for b in self._kept):
+            self._free_staging()
         pending: tuple[int, OwnedBuffer | None] | None = None  # the batch whose ack is due, and its temporary buffer
 
         def acknowledged() -> None:
@@ -297,9 +313,11 @@ class IPCSender(Transport):
                     temp = buf = OwnedBuffer(bucket.used, device, transient=True)
                     cleanup.callback(temp.close)
                 else:  # ping-pong: the buffer whose batch was acknowledged before the last one went out
-                    if len(staging) < 2:
+                    if len(staging) < len(self._kept):
+                        buf = self._kept[len(staging)]
+                    elif len(staging) < 2:
                         buf = OwnedBuffer(staging_size, device)
-                        cleanup.callback(buf.close)
+                        self._kept.append(buf)  # freed by _free_staging: after this send, or the next
                     else:
                         buf = staging.pop(0)
                     staging.append(buf)
@@ -322,6 +340,8 @@ class IPCSender(Transport):
             sock.send({"op": "complete"}, "COMPLETE")
             reply = sock.recv("the final ack")
             settle(jobs)  # the worker's digests, and its errors
+        if not (self.keep_buffers and device.type == "cpu"):
+            self._free_staging()
         if (error := refused("the end of the stream", self.address, reply)) is not None:
             raise error
         return reply
