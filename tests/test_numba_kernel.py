@@ -17,7 +17,7 @@ import torch
 import numba
 from numba import njit
 
-from wcviz.digest import _numba, _simd, _spec, _torch, digest_hex
+from wcviz.digest import _numba, _simd, _spec, _torch, digest_hex, set_digest_threads
 
 B, G, C = _numba.BLOCK, _numba.GROUP, _spec.CHUNK
 SMALL = 4 * G  # narrowest chunk the vector kernel folds
@@ -101,7 +101,7 @@ def test_a_thread_on_one_numba_thread_digests_without_the_pool_or_its_lock() -> 
     got: list[tuple[int, int]] = []
 
     def one_thread() -> None:
-        _numba.set_threads(1)  # numba's thread count belongs to the calling thread
+        set_digest_threads(1)  # numba's thread count belongs to the calling thread
         got.append(_numba.lanes_digest(lanes, (5, 6)))
 
     with _numba._LOCK:  # held here: a digest that wanted the pool's lock would wait for it

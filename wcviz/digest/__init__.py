@@ -59,5 +59,20 @@ __all__ = [
     "parse_dtype",
     "reference_sglang_gpu",
     "resolve_backend",
+    "set_digest_threads",
     "tensor_digest",
 ]
+
+
+def set_digest_threads(n: int) -> None:
+    """Threads the numba CPU kernel may use for digests called from *this* thread.
+
+    numba counts threads per calling thread; 1 runs the serial kernel, outside the
+    thread pool and its lock (what the refit's digest beside the copy does). numba is
+    imported here, not with this package. Nothing to set without numba.
+    """
+    try:
+        from wcviz.digest import _numba
+    except ImportError:
+        return
+    _numba.set_threads(n)

@@ -19,11 +19,9 @@ __all__ = ["Beside", "settle"]
 
 
 def _one_numba_thread() -> None:
-    try:
-        from wcviz.digest._numba import set_threads
-    except ImportError:  # no numba: the torch backend digests, on torch's own threads
-        return
-    set_threads(1)
+    from wcviz.digest import set_digest_threads
+
+    set_digest_threads(1)
 
 
 class Beside:
