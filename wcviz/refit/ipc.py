@@ -94,7 +94,7 @@ class IPCSender(Transport):
     thread with every core numba has (BENCHMARKS.md, issue 16 part 7: on 2 cores
     neither is faster). ``keep_buffers`` (the default) keeps the two CPU staging
     buffers from one send to the next, so a refit does not fault in and zero
-    ``2 * buffer_bytes`` of fresh shared memory each time (off: 0.39 s -> 0.22-0.31 s
+    ``2 * buffer_bytes`` of fresh shared memory each time (off: 0.36-0.42 s -> 0.22-0.32 s
     per GiB on 2 cores); they are freed by :meth:`close`, after a send that failed,
     and when a send needs another size. CUDA staging buffers are freed after each send.
     """
