@@ -6,9 +6,12 @@ versioned under ``/v1/``):
 
 =====================  =====================================================================
 ``GET /v1/info``       role, rank, dp, pp, tp, ep, host, device, algo, params, mutations_allowed
-``GET /v1/digests``    ``{"rows": [...]}`` in the :mod:`wcviz.frame` schema; ``?name=REGEX``
-                       keeps the parameters whose name an RE2 pattern finds a match in
-                       (linear time, at most 512 characters: :mod:`wcviz._names`)
+``GET /v1/digests``    ``{"rows": [...]}`` in the :mod:`wcviz.frame` schema, or the same
+                       table as columns when ``Accept`` names ``COLUMNS_MEDIA_TYPE`` (what
+                       :func:`wcviz.sources.fetch_agents` asks for; an older client gets
+                       rows); ``?name=REGEX`` keeps the parameters whose name an RE2
+                       pattern finds a match in (linear time, at most 512 characters:
+                       :mod:`wcviz._names`)
 ``POST /v1/snapshot``  run the ``snapshot`` callable; likewise ``/v1/reset`` and ``/v1/reload``
 =====================  =====================================================================
 
@@ -305,16 +308,22 @@ class Agent:
         except NameFilterError as e:
             raise _ClientError(400, str(e)) from None
 
-        def digest() -> list[dict[str, Any]]:
-            from wcviz.sources import named_tensor_rows
+        accept = request.headers.get("accept", "")
+
+        def digest() -> tuple[dict[str, Any], str | None]:
+            from wcviz.sources import COLUMNS_MEDIA_TYPE, named_tensor_table  # imported on first use, off the event loop
 
             with self._lock:
                 items = self._named()
                 if keep is not None:
                     items = [(n, t) for n, t in items if keep(n)]
-                return named_tensor_rows(items, algo=self.algo, progress=False, **self._identity())  # plain JSON values
+                table = named_tensor_table(items, algo=self.algo, progress=False, **self._identity())  # plain JSON values
+            if COLUMNS_MEDIA_TYPE in accept:
+                return table.body(), COLUMNS_MEDIA_TYPE
+            return {"rows": table.rows()}, None
 
-        return JSONResponse({"rows": await _in_thread(digest)})
+        body, media_type = await _in_thread(digest)
+        return JSONResponse(body, media_type=media_type)
 
     def _authorized(self, request: Request) -> bool:
         header = request.headers.get("authorization", "")

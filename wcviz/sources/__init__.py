@@ -19,11 +19,13 @@ from wcviz.sources._http import act, act_agents, fetch, fetch_agents, fetch_info
 from wcviz.sources._ray import from_ray_actors
 from wcviz.sources._safetensors import checkpoint_files, from_safetensors
 from wcviz.sources._sglang import from_sglang, sglang_action, sglang_compare_mismatches
-from wcviz.sources._tensors import from_module, from_named_tensors, from_state_dict, named_tensor_rows
+from wcviz.sources._tensors import from_module, from_named_tensors, from_state_dict, named_tensor_rows, named_tensor_table
 from wcviz.sources._vllm import EngineEndpointError, from_vllm_http, from_vllm_llm, vllm_collective_rpc
+from wcviz.sources._wire import COLUMNS_MEDIA_TYPE
 from wcviz.sources._vllm_checker import from_vllm_weight_checker, vllm_checksum_keys, vllm_weight_checker, vllm_world_size
 
 __all__ = [
+    "COLUMNS_MEDIA_TYPE",
     "FAILED_COLUMNS",
     "ActionResult",
     "EngineEndpointError",
@@ -48,6 +50,7 @@ __all__ = [
     "from_vllm_weight_checker",
     "gather_frame",
     "named_tensor_rows",
+    "named_tensor_table",
     "normalize_targets",
     "sglang_action",
     "sglang_compare_mismatches",

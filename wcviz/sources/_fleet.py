@@ -27,6 +27,7 @@ import pandas as pd
 
 from wcviz._errors import TableError
 from wcviz.frame import IDENTITY, make_frame, validate
+from wcviz.sources._wire import RankTable, frame_of_tables
 
 if TYPE_CHECKING:
     import httpx
@@ -44,11 +45,10 @@ __all__ = [
     "Targets",
     "Unreachable",
     "assemble",
+    "assemble_tables",
     "check_expected",
-    "check_rows",
     "checked_url",
     "empty_reason",
-    "frames_of_rows",
     "identity_of",
     "key_of",
     "message_of",
@@ -210,55 +210,6 @@ def rows_frame(rows: Any, ident: Mapping[str, Any], label: str, what: str) -> pd
     return frame
 
 
-def check_rows(rows: Any, ident: Mapping[str, Any], what: str) -> list[dict[str, Any]]:
-    """A rank's answer as raw rows, checked the cheap way before any frame is built: row dicts, schema
-    columns only, and the rank's own identity in every row (what :func:`rows_frame` checks on a frame)."""
-    from wcviz.frame import COLUMNS
-
-    if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
-        raise Failed(f"{what} did not give a list of row dicts: {str(rows)[:200]}")
-    keys = set().union(*rows) if rows else set()
-    unknown = sorted(str(k) for k in keys - set(COLUMNS))
-    if unknown:
-        raise Failed(f"{what} is not a digest table: unknown column(s) {', '.join(unknown)}")
-    for k in KEY:
-        want = ident.get(k)
-        wrong = next((r.get(k) for r in rows if r.get(k) != want), _NOTHING)
-        if wrong is not _NOTHING:
-            raise Failed(f"{what} rows claim {k}={wrong!r} but the rank's info says {k}={want!r}")
-    return rows
-
-
-_NOTHING = object()
-
-
-def frames_of_rows(collected: Sequence[tuple[str, dict[str, Any], dict[str, Any], list[dict[str, Any]]]], what: str) -> tuple[list[Collected], list[dict[str, Any]]]:
-    """Every rank's checked rows (:func:`check_rows`) as one validated frame, built once, cut back into each rank's
-    frame; a rank whose rows do not hold up (a value of the wrong type) is found apart and failed, naming why."""
-    if not collected:
-        return [], []
-    rows = [r for _, _, _, rs in collected for r in rs]
-    try:
-        big = validate(pd.DataFrame.from_records(rows), source="ranks") if rows else None
-    except TableError:  # someone's rows are bad: find whose, rank by rank (the slow way, only now)
-        out: list[Collected] = []
-        failed: list[dict[str, Any]] = []
-        for label, ident, info, rs in collected:
-            try:
-                out.append((label, ident, info, rows_frame(rs, ident, label, what)))
-            except Failed as e:
-                failed.append({"url": label, "kind": "failed", "error": str(e), **ident})
-        return out, failed
-    out = []
-    start = 0
-    for label, ident, info, rs in collected:
-        frame = big.iloc[start : start + len(rs)].reset_index(drop=True) if big is not None and rs else make_frame([])
-        start += len(rs)
-        frame["url"] = label
-        out.append((label, ident, info, frame))
-    return out, []
-
-
 def empty_reason(info: Mapping[str, Any] | None, rows: int, filtered: bool) -> str | None:
     """Why a rank that answered counts as empty (its info counts no parameters, or it gave no rows
     unfiltered), or None. A name filter that matches nothing on a rank is not an empty rank."""
@@ -398,7 +349,6 @@ def assemble(
     *,
     filtered: bool = False,
     targets: Sequence[str] | None = None,
-    validated: bool = False,
 ) -> FetchResult:
     """The one :class:`FetchResult` from the ranks collected and the failure rows (``url``, ``kind``,
     ``error`` and the identity known).
@@ -409,35 +359,8 @@ def assemble(
     identity, never by arrival. ``targets``: the targets in the caller's order (the
     result's ``urls``, and the order of ``failed``); without them, labels given twice
     get `` #1``, `` #2`` so each names one target, and ``failed`` is ordered by identity.
-    ``validated``: the frames are cuts of one validated frame (:func:`frames_of_rows`), so
-    their concatenation is not validated again.
     """
-    failures = [dict(f) for f in failed]
-    by_key: dict[tuple[Any, ...], list[Collected]] = {}
-    for label, ident, info, frame in collected:
-        why = empty_reason(info, len(frame), filtered)
-        if why is not None:
-            failures.append({"url": label, "kind": "empty", "error": why, **ident})
-        else:
-            by_key.setdefault(key_of(ident), []).append((label, ident, info, frame))
-    kept: list[tuple[str, dict[str, Any], pd.DataFrame]] = []
-    for key, claims in sorted(by_key.items(), key=lambda kv: _sortable(kv[0])):
-        if len(claims) > 1:
-            rank = ", ".join(f"{k}={v}" for k, v in zip(KEY, key) if v is not None)
-            for label, ident, _, _ in claims:
-                others = ", ".join(lb for lb, *_ in claims if lb != label)
-                failures.append({"url": label, "kind": "failed", "error": f"claims the same rank ({rank}) as {others}", **ident})
-            continue
-        label, _, info, frame = claims[0]
-        kept.append((label, info, frame))
-    if targets is None:
-        kept, failures = _unique_labels(kept, failures)
-        failures.sort(key=lambda row: (_sortable(key_of(row)), str(row["url"])))
-        urls = tuple([lb for lb, _, _ in kept] + [str(f["url"]) for f in failures])
-    else:
-        order = {u: i for i, u in enumerate(targets)}
-        failures.sort(key=lambda row: order.get(str(row["url"]), len(order)))
-        urls = tuple(targets)
+    kept, failures, urls = _triage([(lb, ident, info, frame, len(frame)) for lb, ident, info, frame in collected], failed, filtered, targets)
     frames = []
     for label, _, frame in kept:
         frame["url"] = label
@@ -445,11 +368,48 @@ def assemble(
             frames.append(frame)
     if frames:
         frame = pd.concat(frames, ignore_index=True).sort_values(list(KEY), kind="stable", na_position="last")
-        frame = frame.reset_index(drop=True) if validated else validate(frame.reset_index(drop=True), source="ranks")
+        frame = validate(frame.reset_index(drop=True), source="ranks")
     else:
-        frame = make_frame([])
-        frame["url"] = pd.Series(dtype="string")
+        frame = _no_rows()
     frame["url"] = frame["url"].astype("string")
+    return _result(urls, frame, failures, kept)
+
+
+def assemble_tables(
+    collected: Sequence[tuple[str, dict[str, Any], dict[str, Any], RankTable]],
+    failed: Sequence[dict[str, Any]],
+    what: str,
+    *,
+    filtered: bool = False,
+    targets: Sequence[str] | None = None,
+) -> FetchResult:
+    """:func:`assemble` for ranks that answered tables (:class:`~wcviz.sources._wire.RankTable`, already checked
+    against their identity): the ranks kept, in identity order, become one frame built and validated once. Only
+    when a value does not hold up is each rank's table made a frame of its own, to fail the rank it came from
+    (``what`` names the answer in that rank's error)."""
+    kept, failures, urls = _triage([(lb, ident, info, t, t.count) for lb, ident, info, t in collected], failed, filtered, targets)
+    tables = [(label, table) for label, _, table in kept if table.count]
+    try:
+        frame = frame_of_tables(tables) if tables else _no_rows()
+    except TableError:  # someone's values are bad: find whose, rank by rank (the slow way, only now)
+        frames: list[Collected] = []
+        bad: list[dict[str, Any]] = []
+        for label, ident, info, table in collected:
+            try:
+                frames.append((label, ident, info, rows_frame(table.rows(), ident, label, what)))
+            except Failed as e:
+                bad.append({"url": label, "kind": "failed", "error": str(e), **ident})
+        return assemble(frames, [*failed, *bad], filtered=filtered, targets=targets)
+    return _result(urls, frame, failures, kept)
+
+
+def _no_rows() -> pd.DataFrame:
+    frame = make_frame([])
+    frame["url"] = pd.Series(dtype="string")
+    return frame
+
+
+def _result(urls: tuple[str, ...], frame: pd.DataFrame, failures: list[dict[str, Any]], kept: Sequence[tuple[str, dict[str, Any], Any]]) -> FetchResult:
     return FetchResult(
         urls=urls,
         frame=frame,
@@ -459,9 +419,45 @@ def assemble(
     )
 
 
-def _unique_labels(
-    kept: list[tuple[str, dict[str, Any], pd.DataFrame]], failures: list[dict[str, Any]]
-) -> tuple[list[tuple[str, dict[str, Any], pd.DataFrame]], list[dict[str, Any]]]:
+def _triage(
+    collected: Sequence[tuple[str, dict[str, Any], dict[str, Any], Any, int]],
+    failed: Sequence[dict[str, Any]],
+    filtered: bool,
+    targets: Sequence[str] | None,
+) -> tuple[list[tuple[str, dict[str, Any], Any]], list[dict[str, Any]], tuple[str, ...]]:
+    """Which ranks are kept (``(label, info, payload)`` in identity order), every failure row, and the result's
+    urls: what :func:`assemble` decides before any frame is touched (``collected``: label, identity, info,
+    payload, its row count)."""
+    failures = [dict(f) for f in failed]
+    by_key: dict[tuple[Any, ...], list[tuple[str, dict[str, Any], dict[str, Any], Any]]] = {}
+    for label, ident, info, payload, count in collected:
+        why = empty_reason(info, count, filtered)
+        if why is not None:
+            failures.append({"url": label, "kind": "empty", "error": why, **ident})
+        else:
+            by_key.setdefault(key_of(ident), []).append((label, ident, info, payload))
+    kept: list[tuple[str, dict[str, Any], Any]] = []
+    for key, claims in sorted(by_key.items(), key=lambda kv: _sortable(kv[0])):
+        if len(claims) > 1:
+            rank = ", ".join(f"{k}={v}" for k, v in zip(KEY, key) if v is not None)
+            for label, ident, _, _ in claims:
+                others = ", ".join(lb for lb, *_ in claims if lb != label)
+                failures.append({"url": label, "kind": "failed", "error": f"claims the same rank ({rank}) as {others}", **ident})
+            continue
+        label, _, info, payload = claims[0]
+        kept.append((label, info, payload))
+    if targets is None:
+        kept, failures = _unique_labels(kept, failures)
+        failures.sort(key=lambda row: (_sortable(key_of(row)), str(row["url"])))
+        urls = tuple([lb for lb, _, _ in kept] + [str(f["url"]) for f in failures])
+    else:
+        order = {u: i for i, u in enumerate(targets)}
+        failures.sort(key=lambda row: order.get(str(row["url"]), len(order)))
+        urls = tuple(targets)
+    return kept, failures, urls
+
+
+def _unique_labels(kept: list[tuple[str, dict[str, Any], Any]], failures: list[dict[str, Any]]) -> tuple[list[tuple[str, dict[str, Any], Any]], list[dict[str, Any]]]:
     """Labels given twice (two workers with one label) become `` #1``, `` #2``: each names one target."""
     from collections import Counter
 

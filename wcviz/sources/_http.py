@@ -35,23 +35,25 @@ from wcviz.sources._fleet import (
     Refused,
     Targets,
     Unreachable,
-    assemble,
+    KEY,
+    assemble_tables,
     check_expected,
     empty_reason,
     identity_of,
     kind_of,
     message_of,
     normalize,
-    check_rows,
-    frames_of_rows,
 )
+from wcviz.sources._wire import COLUMNS_MEDIA_TYPE, RankTable, WireError, table_of_body, wrong_identity
 
 __all__ = ["FAILED_COLUMNS", "ActionResult", "FetchResult", "Targets", "act", "act_agents", "fetch", "fetch_agents", "fetch_infos"]
 
 _BACKOFF_S = 0.1
 
 
-async def _get(client: httpx.AsyncClient, url: str, params: Mapping[str, str], timeout_s: float, retries: int) -> Any:
+async def _get(
+    client: httpx.AsyncClient, url: str, params: Mapping[str, str], timeout_s: float, retries: int, headers: Mapping[str, str] | None = None
+) -> Any:
     """GET a JSON body; retry connection errors, timeouts and 5xx with a small backoff."""
     last: BaseException | None = None
     for attempt in range(retries + 1):
@@ -59,7 +61,7 @@ async def _get(client: httpx.AsyncClient, url: str, params: Mapping[str, str], t
             await asyncio.sleep(_BACKOFF_S * 2 ** (attempt - 1))
         try:
             # wait_for too: a transport without timeouts (ASGITransport) must not hang a rank
-            resp = await asyncio.wait_for(client.get(url, params=params, timeout=timeout_s), timeout_s)
+            resp = await asyncio.wait_for(client.get(url, params=params, headers=headers, timeout=timeout_s), timeout_s)
         except (httpx.TransportError, asyncio.TimeoutError) as e:
             last = Unreachable(one_line(e) if not isinstance(e, asyncio.TimeoutError) else f"timed out after {timeout_s} s")
             continue
@@ -76,10 +78,14 @@ async def _get(client: httpx.AsyncClient, url: str, params: Mapping[str, str], t
     raise last
 
 
+# Either form of the table is read (an older agent answers rows whatever it is asked); columns are preferred.
+_ACCEPT = {"accept": f"{COLUMNS_MEDIA_TYPE}, application/json;q=0.5"}
+
+
 async def _fetch_one(
     client: httpx.AsyncClient, url: str, name: str | None, timeout_s: float, retries: int, known: dict[str, Any]
-) -> tuple[str, dict[str, Any], dict[str, Any], list[dict[str, Any]]]:
-    """Info, then digests, of one agent: ``(url, identity, info, rows)``; the rows must carry the identity the info claimed.
+) -> tuple[str, dict[str, Any], dict[str, Any], RankTable]:
+    """Info, then digests, of one agent: ``(url, identity, info, table)``; the rows must carry the identity the info claimed.
 
     ``known`` holds the identity expected at ``url`` (possibly empty) and is updated with
     what the agent claims, so a failure is reported with the best identity there is.
@@ -88,16 +94,19 @@ async def _fetch_one(
     ident = identity_of(info, "/v1/info")
     check_expected(ident, dict(known), "/v1/info")
     known.update(ident)
-    body = await _get(client, f"{url}/v1/digests", {"name": name} if name is not None else {}, timeout_s, retries)
-    rows = body.get("rows") if isinstance(body, dict) else None
-    if not isinstance(rows, list):
-        raise Failed("/v1/digests did not answer {'rows': [...]}")
-    rows = check_rows(rows, ident, "/v1/digests")  # the frame is built once, for every rank together
-    if name is None and isinstance(info.get("params"), int) and len(rows) != info["params"]:
-        raise Failed(f"/v1/info counts {info['params']} parameters but /v1/digests gave {len(rows)} rows")
-    if (why := empty_reason(info, len(rows), name is not None)) is not None:
+    body = await _get(client, f"{url}/v1/digests", {"name": name} if name is not None else {}, timeout_s, retries, _ACCEPT)
+    try:
+        table = table_of_body(body)
+    except WireError as e:
+        raise Failed(f"/v1/digests {e}") from None
+    wrong = wrong_identity(table, ident, KEY)
+    if wrong is not None:
+        raise Failed(f"/v1/digests rows claim {wrong[0]}={wrong[1]!r} but the rank's info says {wrong[0]}={ident.get(wrong[0])!r}")
+    if name is None and isinstance(info.get("params"), int) and table.count != info["params"]:
+        raise Failed(f"/v1/info counts {info['params']} parameters but /v1/digests gave {table.count} rows")
+    if (why := empty_reason(info, table.count, name is not None)) is not None:
         raise Empty(why)
-    return url, ident, info, rows
+    return url, ident, info, table
 
 
 def _client(client: Any, transport: Any, timeout_s: float) -> tuple[httpx.AsyncClient, bool]:
@@ -151,8 +160,7 @@ async def fetch_agents(
             failed.append({"url": url, "kind": kind_of(outcome), "error": message, **known})
         else:
             collected.append(outcome)
-    frames, bad = frames_of_rows(collected, "/v1/digests")
-    return assemble(frames, failed + bad, filtered=name is not None, targets=targets, validated=True)
+    return assemble_tables(collected, failed, "/v1/digests", filtered=name is not None, targets=targets)
 
 
 def _blocking(what: str, coro_fn: Any, *args: Any, **kwargs: Any) -> Any:

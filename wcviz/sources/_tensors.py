@@ -9,11 +9,42 @@ import pandas as pd
 
 from wcviz.digest import DEFAULT_ALGO, digest_timed
 from wcviz.frame import check_rank_info, make_frame, shape_str
+from wcviz.sources._wire import RankTable
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["from_module", "from_state_dict", "from_named_tensors"]
+__all__ = ["from_module", "from_state_dict", "from_named_tensors", "named_tensor_rows", "named_tensor_table"]
+
+
+def named_tensor_table(
+    named: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
+    *,
+    algo: str = DEFAULT_ALGO,
+    backend: str = "auto",
+    progress: bool | None = None,
+    **rank_info: Any,
+) -> RankTable:
+    """The rows of :func:`from_named_tensors` as plain JSON-able columns, without building a frame: what an agent
+    sends (``rank_info`` once for every row; ``layer``, ``block`` and ``expert`` are left to
+    :func:`wcviz.frame.make_frame`, which parses them)."""
+    info = check_rank_info(rank_info)
+    info.setdefault("phase", "current")
+    items = list(named.items() if isinstance(named, Mapping) else named)
+    timed = digest_timed(items, algo=algo, backend=backend, progress=progress)
+    shapes: dict[Any, str] = {}
+    cols: dict[str, list[Any]] = {c: [] for c in ("name", "digest", "algo", "dtype", "shape", "nbytes", "device", "seconds")}
+    for name, t in items:
+        d, seconds = timed[name]
+        shape = shapes.get(t.shape)
+        if shape is None:
+            shape = shapes[t.shape] = shape_str(t.shape)
+        for col, value in zip(
+            cols.values(),
+            (name, str(d), d.algo, str(t.dtype).removeprefix("torch."), shape, t.numel() * t.element_size(), str(t.device), seconds),
+        ):
+            col.append(value)
+    return RankTable(len(items), cols, info)
 
 
 def named_tensor_rows(
@@ -24,33 +55,8 @@ def named_tensor_rows(
     progress: bool | None = None,
     **rank_info: Any,
 ) -> list[dict[str, Any]]:
-    """The rows of :func:`from_named_tensors`, as plain JSON-able dicts, without building a frame: what an agent
-    sends (``layer``, ``block`` and ``expert`` are left to :func:`wcviz.frame.make_frame`, which parses them)."""
-    info = check_rank_info(rank_info)
-    info.setdefault("phase", "current")
-    items = list(named.items() if isinstance(named, Mapping) else named)
-    timed = digest_timed(items, algo=algo, backend=backend, progress=progress)
-    shapes: dict[Any, str] = {}
-    rows = []
-    for name, t in items:
-        d, seconds = timed[name]
-        shape = shapes.get(t.shape)
-        if shape is None:
-            shape = shapes[t.shape] = shape_str(t.shape)
-        rows.append(
-            {
-                "name": name,
-                "digest": str(d),
-                "algo": d.algo,
-                "dtype": str(t.dtype).removeprefix("torch."),
-                "shape": shape,
-                "nbytes": t.numel() * t.element_size(),
-                "device": str(t.device),
-                "seconds": seconds,
-                **info,
-            }
-        )
-    return rows
+    """:func:`named_tensor_table` as row dicts: the rows form an agent sends to a client that did not ask for columns."""
+    return named_tensor_table(named, algo=algo, backend=backend, progress=progress, **rank_info).rows()
 
 
 def from_named_tensors(

@@ -1,0 +1,164 @@
+"""The two forms of ``/v1/digests`` (rows, and columns when asked for): one table either way, either side older.
+
+An agent answers columns only when ``Accept`` names the columns media type; a client reads
+both. Each bad columns body fails its own rank, named, and no other.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import pandas as pd
+import pytest
+import torch
+
+from wcviz.agent import Agent
+from wcviz.frame import COLUMNS
+from wcviz.sources import COLUMNS_MEDIA_TYPE, fetch, from_named_tensors, named_tensor_rows, named_tensor_table
+from wcviz.sources._wire import RankTable, WireError, table_of_body
+
+
+def _weights(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "model.embed_tokens.weight": torch.randn(8, 4, generator=g),
+        "model.layers.0.self_attn.q_proj.weight": torch.randn(4, 4, generator=g).to(torch.bfloat16),
+        "model.layers.1.mlp.experts.3.up_proj.weight": torch.randn(6, 4, generator=g),
+        "model.norm.weight": torch.ones(4),
+    }
+
+
+def _get(agent: Agent, headers: dict[str, str] | None = None) -> httpx.Response:
+    async def go() -> httpx.Response:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=agent.app), base_url="http://agent") as c:
+            return await c.get("/v1/digests", headers=headers)
+
+    return asyncio.run(go())
+
+
+def _untimed(frame: pd.DataFrame) -> pd.DataFrame:
+    return frame.drop(columns="seconds")  # what digesting cost differs call to call
+
+
+def test_agent_answers_columns_only_when_asked_and_both_forms_hold_one_table() -> None:
+    agent = Agent(lambda: _weights(0), role="engine", rank=3, dp=1, pp=0, tp=1, host="node7")
+    plain = _get(agent)  # an older client: no Accept of ours
+    assert plain.headers["content-type"].startswith("application/json") and set(plain.json()) == {"rows"}
+    asked = _get(agent, {"accept": f"{COLUMNS_MEDIA_TYPE}, application/json;q=0.5"})
+    assert asked.headers["content-type"].startswith(COLUMNS_MEDIA_TYPE)
+    body = asked.json()
+    assert body["format"] == "columns" and body["count"] == 4
+    assert body["same"] == {"role": "engine", "rank": 3, "dp": 1, "pp": 0, "tp": 1, "ep": None, "host": "node7", "phase": "current"}
+    assert all(len(v) == 4 for v in body["columns"].values())
+    rows, cols = table_of_body(plain.json()), table_of_body(body)
+    assert [{k: v for k, v in r.items() if k != "seconds"} for r in rows.rows()] == [
+        {k: v for k, v in r.items() if k != "seconds"} for r in cols.rows()
+    ]
+    want = from_named_tensors(_weights(0), role="engine", rank=3, dp=1, pp=0, tp=1, host="node7")
+    got = pd.DataFrame(cols.rows())
+    assert got["digest"].tolist() == want["digest"].tolist() and got["name"].tolist() == want["name"].tolist()
+
+
+def test_named_tensor_rows_are_the_table_as_rows() -> None:
+    w = _weights(1)
+    table = named_tensor_table(w, role="trainer", rank=0)
+    rows = named_tensor_rows(w, role="trainer", rank=0)
+    assert [r["digest"] for r in rows] == table.columns["digest"]
+    assert list(rows[0]) == ["name", "digest", "algo", "dtype", "shape", "nbytes", "device", "seconds", "role", "rank", "phase"]
+
+
+def _fleet(n: int = 3) -> list[Agent]:
+    return [Agent(lambda r=r: _weights(r), role="engine", rank=r, tp=r, pp=0, host="h") for r in range(n)]
+
+
+def _route(agents: list[Agent], rewrite: Callable[[int, httpx.Request, httpx.Response], httpx.Response] | None = None, seen: list | None = None) -> httpx.MockTransport:
+    """Each ``http://rN`` served by agent N in process; ``rewrite`` may change an answer of /v1/digests."""
+    transports = [httpx.ASGITransport(app=a.app) for a in agents]
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        i = int(request.url.host[1:])
+        resp = await transports[i].handle_async_request(request)
+        if request.url.path == "/v1/digests":
+            await resp.aread()
+            if seen is not None:
+                seen.append((request.headers.get("accept"), resp.headers.get("content-type")))
+            if rewrite is not None:
+                return rewrite(i, request, resp)
+        return resp
+
+    return httpx.MockTransport(handler)
+
+
+def _urls(n: int = 3) -> list[str]:
+    return [f"http://r{i}" for i in range(n)]
+
+
+def test_fetch_asks_for_columns_and_reads_an_older_agent_that_answers_rows() -> None:
+    agents = _fleet()
+    seen: list[tuple[Any, Any]] = []
+    new = fetch(_urls(), transport=_route(agents, seen=seen))
+    assert new.complete and len(new.frame) == 12
+    assert len(seen) == 3 and all(COLUMNS_MEDIA_TYPE in accept and ctype.startswith(COLUMNS_MEDIA_TYPE) for accept, ctype in seen)
+
+    def older(i: int, request: httpx.Request, resp: httpx.Response) -> httpx.Response:  # ignores Accept: rows, always
+        if i != 1:
+            return resp
+        rows = table_of_body(resp.json()).rows()
+        return httpx.Response(200, json={"rows": rows})
+
+    mixed = fetch(_urls(), transport=_route(agents, older))
+    assert mixed.complete
+    assert list(mixed.frame.columns) == [*COLUMNS, "url"]
+    pd.testing.assert_frame_equal(_untimed(mixed.frame), _untimed(new.frame))
+    assert mixed.frame["rank"].tolist() == [0] * 4 + [1] * 4 + [2] * 4  # identity order, not arrival
+    assert mixed.frame.groupby("url")["rank"].unique().map(list).to_dict() == {f"http://r{r}": [r] for r in range(3)}
+
+
+@pytest.mark.parametrize(
+    "spoil, why",
+    [
+        (lambda b: b.update(count=b["count"] + 1), "column 'name' with 4 values for 5 rows"),
+        (lambda b: b.update(count=True), "count is True"),
+        (lambda b: b.update(count=-1), "count is -1"),
+        (lambda b: b["columns"].update(colour=["red"] * 4), "unknown column(s) colour"),
+        (lambda b: b["columns"].update(host=["h"] * 4), "column(s) host both per row and once"),
+        (lambda b: b["columns"].update(digest="0" * 32), "column 'digest' with a str for 4 rows"),
+        (lambda b: b["same"].update(step=[1, 2]), "column 'step' for every row as a list"),
+        (lambda b: b.update(columns=[]), "'columns' or 'same' is not an object"),
+        (lambda b: b.update(format="arrow"), "unknown format 'arrow'"),
+        (lambda b: b["same"].update(tp=5), "rows claim tp=5 but the rank's info says tp=1"),
+        (lambda b: (b["same"].pop("rank"), b["columns"].update(rank=[1, 1, 9, 1])), "rows claim rank=9 but the rank's info says rank=1"),
+        (lambda b: b["columns"]["nbytes"].__setitem__(2, "lots"), "column 'nbytes' cannot be read as Int64"),
+        (lambda b: b["columns"]["digest"].__setitem__(0, "error"), "'model.embed_tokens.weight'"),
+    ],
+)
+def test_a_bad_columns_table_fails_its_own_rank_naming_why(spoil: Callable[[dict[str, Any]], Any], why: str) -> None:
+    agents = _fleet()
+
+    def bad(i: int, request: httpx.Request, resp: httpx.Response) -> httpx.Response:
+        if i != 1:
+            return resp
+        body = json.loads(resp.content)
+        spoil(body)
+        return httpx.Response(200, json=body)
+
+    result = fetch(_urls(), transport=_route(agents, bad))
+    assert not result.complete and result.answered == 2
+    assert result.failed[["url", "kind", "rank"]].values.tolist() == [["http://r1", "failed", 1]]
+    assert why in result.errors["http://r1"], result.errors
+    assert result.errors["http://r1"].startswith("/v1/digests"), result.errors
+    assert set(result.frame["rank"]) == {0, 2} and len(result.frame) == 8  # the others are whole
+
+
+def test_wire_tables_round_trip_and_refuse_what_is_not_a_table() -> None:
+    t = RankTable(2, {"name": ["a", "b"], "digest": ["0" * 32, "1" * 32]}, {"algo": "nemo-rl-v3", "rank": 0})
+    assert table_of_body(json.loads(json.dumps(t.body()))) == t
+    assert table_of_body({"rows": t.rows()}).rows() == t.rows()
+    assert RankTable(2, {}, {"rank": 0}).rows() == [{"rank": 0}, {"rank": 0}]
+    for body, why in (([], "did not answer {'rows'"), ({"rows": [1]}, "list of row dicts"), ({"rows": [{"x": 1}]}, "unknown column(s) x")):
+        with pytest.raises(WireError, match=why.replace("(", r"\(").replace(")", r"\)")):
+            table_of_body(body)
