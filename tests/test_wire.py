@@ -19,17 +19,16 @@ import torch
 from wcviz.agent import Agent
 from wcviz.frame import COLUMNS
 from wcviz.sources import COLUMNS_MEDIA_TYPE, fetch, from_named_tensors, named_tensor_rows, named_tensor_table
+from wcviz.sim.model import TINY_MOE, build_state_dict, step
 from wcviz.sources._wire import RankTable, WireError, table_of_body
 
 
 def _weights(seed: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return {
-        "model.embed_tokens.weight": torch.randn(8, 4, generator=g),
-        "model.layers.0.self_attn.q_proj.weight": torch.randn(4, 4, generator=g).to(torch.bfloat16),
-        "model.layers.1.mlp.experts.3.up_proj.weight": torch.randn(6, 4, generator=g),
-        "model.norm.weight": torch.ones(4),
-    }
+    """The simulator's tiny MoE model, a training step per seed: each rank holds other values."""
+    return step(build_state_dict(TINY_MOE), seed)
+
+
+N = len(build_state_dict(TINY_MOE))
 
 
 def _get(agent: Agent, headers: dict[str, str] | None = None) -> httpx.Response:
@@ -51,9 +50,9 @@ def test_agent_answers_columns_only_when_asked_and_both_forms_hold_one_table() -
     asked = _get(agent, {"accept": f"{COLUMNS_MEDIA_TYPE}, application/json;q=0.5"})
     assert asked.headers["content-type"].startswith(COLUMNS_MEDIA_TYPE)
     body = asked.json()
-    assert body["format"] == "columns" and body["count"] == 4
+    assert body["format"] == "columns" and body["count"] == N
     assert body["same"] == {"role": "engine", "rank": 3, "dp": 1, "pp": 0, "tp": 1, "ep": None, "host": "node7", "phase": "current"}
-    assert all(len(v) == 4 for v in body["columns"].values())
+    assert all(len(v) == N for v in body["columns"].values())
     rows, cols = table_of_body(plain.json()), table_of_body(body)
     assert [{k: v for k, v in r.items() if k != "seconds"} for r in rows.rows()] == [
         {k: v for k, v in r.items() if k != "seconds"} for r in cols.rows()
@@ -101,7 +100,7 @@ def test_fetch_asks_for_columns_and_reads_an_older_agent_that_answers_rows() -> 
     agents = _fleet()
     seen: list[tuple[Any, Any]] = []
     new = fetch(_urls(), transport=_route(agents, seen=seen))
-    assert new.complete and len(new.frame) == 12
+    assert new.complete and len(new.frame) == 3 * N
     assert len(seen) == 3 and all(COLUMNS_MEDIA_TYPE in accept and ctype.startswith(COLUMNS_MEDIA_TYPE) for accept, ctype in seen)
 
     def older(i: int, request: httpx.Request, resp: httpx.Response) -> httpx.Response:  # ignores Accept: rows, always
@@ -114,26 +113,26 @@ def test_fetch_asks_for_columns_and_reads_an_older_agent_that_answers_rows() -> 
     assert mixed.complete
     assert list(mixed.frame.columns) == [*COLUMNS, "url"]
     pd.testing.assert_frame_equal(_untimed(mixed.frame), _untimed(new.frame))
-    assert mixed.frame["rank"].tolist() == [0] * 4 + [1] * 4 + [2] * 4  # identity order, not arrival
+    assert mixed.frame["rank"].tolist() == [0] * N + [1] * N + [2] * N  # identity order, not arrival
     assert mixed.frame.groupby("url")["rank"].unique().map(list).to_dict() == {f"http://r{r}": [r] for r in range(3)}
 
 
 @pytest.mark.parametrize(
     "spoil, why",
     [
-        (lambda b: b.update(count=b["count"] + 1), "column 'name' with 4 values for 5 rows"),
+        (lambda b: b.update(count=b["count"] + 1), f"column 'name' with {N} values for {N + 1} rows"),
         (lambda b: b.update(count=True), "count is True"),
         (lambda b: b.update(count=-1), "count is -1"),
-        (lambda b: b["columns"].update(colour=["red"] * 4), "unknown column(s) colour"),
-        (lambda b: b["columns"].update(host=["h"] * 4), "column(s) host both per row and once"),
-        (lambda b: b["columns"].update(digest="0" * 32), "column 'digest' with a str for 4 rows"),
+        (lambda b: b["columns"].update(colour=["red"] * N), "unknown column(s) colour"),
+        (lambda b: b["columns"].update(host=["h"] * N), "column(s) host both per row and once"),
+        (lambda b: b["columns"].update(digest="0" * 32), f"column 'digest' with a str for {N} rows"),
         (lambda b: b["same"].update(step=[1, 2]), "column 'step' for every row as a list"),
         (lambda b: b.update(columns=[]), "'columns' or 'same' is not an object"),
         (lambda b: b.update(format="arrow"), "unknown format 'arrow'"),
         (lambda b: b["same"].update(tp=5), "rows claim tp=5 but the rank's info says tp=1"),
-        (lambda b: (b["same"].pop("rank"), b["columns"].update(rank=[1, 1, 9, 1])), "rows claim rank=9 but the rank's info says rank=1"),
+        (lambda b: (b["same"].pop("rank"), b["columns"].update(rank=[1] * (N - 1) + [9])), "rows claim rank=9 but the rank's info says rank=1"),
         (lambda b: b["columns"]["nbytes"].__setitem__(2, "lots"), "column 'nbytes' cannot be read as Int64"),
-        (lambda b: b["columns"]["digest"].__setitem__(0, "error"), "'model.embed_tokens.weight'"),
+        (lambda b: b["columns"]["digest"].__setitem__(0, "error"), "row 0 ('model.embed_tokens.weight')"),
     ],
 )
 def test_a_bad_columns_table_fails_its_own_rank_naming_why(spoil: Callable[[dict[str, Any]], Any], why: str) -> None:
@@ -151,7 +150,7 @@ def test_a_bad_columns_table_fails_its_own_rank_naming_why(spoil: Callable[[dict
     assert result.failed[["url", "kind", "rank"]].values.tolist() == [["http://r1", "failed", 1]]
     assert why in result.errors["http://r1"], result.errors
     assert result.errors["http://r1"].startswith("/v1/digests"), result.errors
-    assert set(result.frame["rank"]) == {0, 2} and len(result.frame) == 8  # the others are whole
+    assert set(result.frame["rank"]) == {0, 2} and len(result.frame) == 2 * N  # the others are whole
 
 
 def test_wire_tables_round_trip_and_refuse_what_is_not_a_table() -> None:
