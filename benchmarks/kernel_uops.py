@@ -30,6 +30,7 @@ os.environ.setdefault("NUMBA_CACHE_DIR", tempfile.mkdtemp(prefix="wcviz-uops-"))
 import numpy as np  # noqa: E402
 
 from wcviz.digest import _numba as K  # noqa: E402
+from wcviz.digest._simd import SPLIT_MUL  # noqa: E402
 
 SHUFFLES = re.compile(r"^v(perm|shuf|insert|extract|unpck|punpck|align|pshufd|broadcast|blend|pblend|movddup|pexpand|pcompress)")
 ARITH = ("vpmullq", "vpsrlq", "vpxorq", "vpternlogq", "vpaddq", "vpmulld", "vpmuludq", "vpsllq", "vpandq", "vpand", "vpxor", "vpaddd")
@@ -65,6 +66,8 @@ def main() -> int:
     lanes_per_step = K.GROUP * 4
     bound = 0.75 * 6.6 * lanes_per_step / 8 * 12  # the bound's µops for the merges of one step (3/4 of its lanes')
     print(f"GROUP {K.GROUP}, {lanes_per_step} lanes per step; the bound prices a step at {bound:.0f} vector µops\n")
+    if SPLIT_MUL:
+        print("note: this host has no 64-bit vector multiply (it is built from 32-bit ones); the prices below assume AVX-512's\n")
     print("| step | multiplies | shifts | xor / ternlog | adds | shuffles | vector µops | most of the bound | shuffles at half |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     totals = {}

@@ -117,6 +117,12 @@ def test_fetch_asks_for_columns_and_reads_an_older_agent_that_answers_rows() -> 
     assert mixed.frame.groupby("url")["rank"].unique().map(list).to_dict() == {f"http://r{r}": [r] for r in range(3)}
 
 
+def _a_billion_rows_of_nothing(body: dict[str, Any]) -> None:
+    """A count that no list backs: every value 'the same for every row' (the client must not build it)."""
+    columns = body.pop("columns")
+    body.update(count=10**9, columns={}, same={**body["same"], **{k: v[0] for k, v in columns.items()}})
+
+
 @pytest.mark.parametrize(
     "spoil, why",
     [
@@ -129,6 +135,7 @@ def test_fetch_asks_for_columns_and_reads_an_older_agent_that_answers_rows() -> 
         (lambda b: b["same"].update(step=[1, 2]), "column 'step' for every row as a list"),
         (lambda b: b.update(columns=[]), "'columns' or 'same' is not an object"),
         (lambda b: b.update(format="arrow"), "unknown format 'arrow'"),
+        (_a_billion_rows_of_nothing, "columns table of 1000000000 rows without a list of names and a list of digests"),
         (lambda b: b["same"].update(tp=5), "rows claim tp=5 but the rank's info says tp=1"),
         (lambda b: (b["same"].pop("rank"), b["columns"].update(rank=[1] * (N - 1) + [9])), "rows claim rank=9 but the rank's info says rank=1"),
         (lambda b: b["columns"]["nbytes"].__setitem__(2, "lots"), "column 'nbytes' cannot be read as Int64"),

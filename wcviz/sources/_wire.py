@@ -7,7 +7,8 @@
 - **columns** (answered only when the request's ``Accept`` names
   :data:`COLUMNS_MEDIA_TYPE`): ``{"format": "columns", "count": n, "columns":
   {column: [n values]}, "same": {column: value}}``. ``same`` holds what every row
-  shares (the rank's identity, host, phase), sent once.
+  shares (the rank's identity, host, phase), sent once; ``name`` and ``digest`` are
+  always lists, so a count is never more than the body backs.
 
 An older agent ignores the ``Accept`` header and answers rows; an older client never
 sends it and gets rows: neither side needs to know the other's version. The columns
@@ -87,6 +88,8 @@ def table_of_columns(body: Mapping[str, Any]) -> RankTable:
     if both:
         raise WireError(f"gave column(s) {', '.join(both)} both per row and once for every row")
     _check_known(set(columns) | set(same))
+    if count and not {"name", "digest"} <= set(columns):  # per-row lists bound the count by the body's size
+        raise WireError(f"gave a columns table of {count} rows without a list of names and a list of digests")
     for name, values in columns.items():
         if not isinstance(values, list) or len(values) != count:
             got = f"{len(values)} values" if isinstance(values, list) else f"a {type(values).__name__}"
