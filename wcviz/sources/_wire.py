@@ -49,18 +49,12 @@ class RankTable:
     columns: dict[str, list[Any]]
     same: dict[str, Any]
 
-    def value_of(self, column: str) -> list[Any]:
-        """The ``count`` values of ``column`` (``None`` where the table does not have it)."""
-        if column in self.columns:
-            return self.columns[column]
-        return [self.same.get(column)] * self.count
-
     def rows(self) -> list[dict[str, Any]]:
         """The table as row dicts: the rows form's ``rows``."""
+        if not self.columns:
+            return [dict(self.same) for _ in range(self.count)]
         names = list(self.columns)
-        return [{**dict(zip(names, values)), **self.same} for values in zip(*(self.columns[c] for c in names))] if names else [
-            dict(self.same) for _ in range(self.count)
-        ]
+        return [{**dict(zip(names, values)), **self.same} for values in zip(*self.columns.values())]
 
     def body(self) -> dict[str, Any]:
         """The columns form's body."""
