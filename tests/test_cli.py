@@ -335,6 +335,33 @@ def test_bad_fetch_and_endstate_arguments_exit_2_before_any_request(capsys, argv
     assert re.search(why, err), err
 
 
+def test_digest_prints_its_table_without_pandas_and_as_pandas_would(tmp_path: Path) -> None:
+    """``wcviz digest``'s table is printed from rows (no frame, neither pandas nor torch imported, so it starts
+    at once), and it is the text pandas renders for the same rows: names, digests and byte counts as before."""
+    import subprocess
+    import sys
+
+    from wcviz.frame import make_frame
+    from wcviz.sim.model import TINY, build_state_dict, save_checkpoint
+    from wcviz.sources import from_safetensors
+
+    ck = save_checkpoint(build_state_dict(TINY), tmp_path / "ck")
+    code = (
+        "import sys\n"
+        "from wcviz.cli import main\n"
+        f"rc = main(['digest', {str(ck)!r}, '--no-progress'])\n"
+        "print(rc, sorted(m for m in ('torch', 'pandas') if m in sys.modules), file=sys.stderr)\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert run.stderr.strip().splitlines()[-1] == "0 []"
+    df = from_safetensors(ck, progress=False)
+    cols = ["name", "digest", "algo", "dtype", "shape", "nbytes"]
+    footer = f"{len(df)} tensors, {int(df['nbytes'].sum()):,} bytes, nemo-rl-v3"
+    assert run.stdout == make_frame(df.to_dict("records"))[cols].to_string(index=False) + "\n" + footer + "\n"
+    for name, digest in zip(df["name"], df["digest"]):  # every tensor, its digest beside it
+        assert re.search(rf"^ *{re.escape(name)} {digest} nemo-rl-v3 ", run.stdout, re.M), name
+
+
 def test_digest_and_compare_on_safetensors_never_import_torch(tmp_path: Path) -> None:
     """The CLI on checkpoints reads headers, a file and the compiled kernel: torch is never imported, so it
     starts at once; the digests are the ones PyTorch's tensors give (the rest of this file checks them)."""

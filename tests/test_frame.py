@@ -109,6 +109,28 @@ def test_shape_str_is_a_json_list():
     assert json.loads(shape_str([0, 7])) == [0, 7]
 
 
+@pytest.mark.parametrize(
+    "names, sizes",
+    [
+        (["lm_head.weight", "model.layers.0.input_layernorm.weight"], [524288, 512]),
+        (["a" * 90, "x\ny", "tab\there", " lead", "trail ", "", "é漢字", "cr\rhere", "a'q\"\\b"], [0, 1, 22, 333, 4, 5, 6, 7, 8]),
+        (["w"], [7]),  # values narrower than the header
+        (["w", "v"], [-3, 123456789012]),
+    ],
+)
+def test_aligned_text_is_what_pandas_prints(names, sizes):
+    """``wcviz digest`` prints its table without pandas; the text must be pandas' own, escapes and the integer
+    column's sign space included."""
+    from wcviz._text import aligned
+
+    rows = [{"name": n, "digest": f"{i:032x}", "shape": shape_str([i, 2]), "nbytes": b} for i, (n, b) in enumerate(zip(names, sizes))]
+    cols = ["name", "digest", "shape", "nbytes"]
+    frame = pd.DataFrame({"name": pd.array(names, dtype="string"), "digest": pd.array([r["digest"] for r in rows], dtype="string"),
+                          "shape": pd.array([r["shape"] for r in rows], dtype="string"), "nbytes": pd.array(sizes, dtype="Int64")})  # fmt: skip
+    assert aligned(rows, cols) == frame[cols].to_string(index=False)
+    assert aligned(rows, cols).count("\n") == len(rows)  # one line per row, whatever a name holds
+
+
 # ---------------------------------------------------------------------------- name parsing
 
 LAYERS = [

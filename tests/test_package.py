@@ -33,6 +33,30 @@ def test_import_is_cheap() -> None:
     assert out.strip() == "[]"
 
 
+def test_sources_load_what_is_used() -> None:
+    """``wcviz.sources`` imports a source's module on first use: reading a checkpoint loads neither the HTTP client,
+    nor pandas, nor torch; every public name still resolves, to the object its module defines."""
+    code = (
+        "import sys\n"
+        "from wcviz.sources import safetensors_rows\n"
+        "print(sorted(m for m in ('torch', 'pandas', 'httpx', 'wcviz.sources._http', 'wcviz.sources._vllm') if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+    import importlib
+
+    import wcviz.sources as sources
+
+    assert sorted(dir(sources)) == sorted(sources.__all__)
+    for name in sources.__all__:
+        value = getattr(sources, name)
+        if name in sources._EXPORTS:
+            module, attr = sources._EXPORTS[name]
+            assert value is getattr(importlib.import_module(f"wcviz.sources.{module}"), attr), name
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        sources.nope  # noqa: B018
+
+
 def test_readme_python_example_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     block = re.search(r"```python\n(.*?)```", (REPO / "README.md").read_text(), re.S)
     assert block, "README.md has no python example"

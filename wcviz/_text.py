@@ -5,10 +5,11 @@ One owner for each, so a rank reads the same in a summary, an error and a view.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["SHOWN", "listing", "one_line", "plural", "rank_label", "size"]
+__all__ = ["SHOWN", "aligned", "listing", "one_line", "plural", "rank_label", "shape_str", "size"]
 
 SHOWN = 8  # items a list names before "+N more"
 
@@ -33,6 +34,31 @@ def listing(items: Sequence[str], shown: int = SHOWN) -> str:
     """``a, b, c`` with at most ``shown`` items, then ``+N more``."""
     more = len(items) - shown
     return ", ".join(items[:shown]) + (f", +{more} more" if more > 0 else "")
+
+
+def shape_str(shape: Sequence[int]) -> str:
+    """The table form of a shape: a JSON list, ``[4096, 1024]``."""
+    return json.dumps([int(d) for d in shape])
+
+
+_ESCAPES = str.maketrans({"\t": "\\t", "\r": "\\r", "\n": "\\n"})
+
+
+def aligned(rows: Sequence[Mapping[str, Any]], columns: Sequence[str]) -> str:
+    """``rows`` as a text table: a header, one line per row, every column right-aligned.
+
+    The same text as pandas' ``frame[columns].to_string(index=False)`` for columns of
+    strings or integers (an integer column's header gets pandas' leading sign space;
+    tabs and line breaks in a value are shown escaped, so a row stays one line), without
+    importing pandas: ``wcviz digest`` prints its table with this.
+    """
+    heads = []
+    for c in columns:
+        numeric = bool(rows) and all(isinstance(r[c], int) and not isinstance(r[c], bool) for r in rows)
+        heads.append(" " + c if numeric else c)
+    cells = [[str(r[c]).translate(_ESCAPES) for c in columns] for r in rows]
+    widths = [max([len(h), *(len(line[i]) for line in cells)]) for i, h in enumerate(heads)]
+    return "\n".join(" ".join(v.rjust(w) for v, w in zip(line, widths)) for line in [heads, *cells])
 
 
 def one_line(exc: BaseException) -> str:

@@ -49,6 +49,7 @@ from typing import Any
 import pandas as pd
 
 from wcviz._errors import TableError
+from wcviz._text import shape_str
 
 __all__ = [
     "COLUMNS",
@@ -137,11 +138,6 @@ def parse_block(name: str) -> str:
         if pattern.search(name):
             return block
     return "other"
-
-
-def shape_str(shape: Sequence[int]) -> str:
-    """The table form of a shape: a JSON list."""
-    return json.dumps([int(d) for d in shape])
 
 
 def empty_frame() -> pd.DataFrame:

@@ -19,16 +19,18 @@ import time
 from dataclasses import dataclass
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import pandas as pd
 
 from wcviz._errors import CheckpointError
+from wcviz._text import shape_str
 from wcviz.digest import DEFAULT_ALGO, digest_buffer
-from wcviz.frame import check_rank_info, make_frame, shape_str
 
-__all__ = ["from_safetensors", "TensorEntry", "read_header", "checkpoint_files", "DTYPES"]
+if TYPE_CHECKING:
+    import pandas as pd
+
+__all__ = ["from_safetensors", "safetensors_rows", "TensorEntry", "read_header", "checkpoint_files", "DTYPES"]
 
 # safetensors dtype codes -> PyTorch dtype names (the digest hashes PyTorch's name).
 DTYPES: dict[str, str] = {
@@ -270,27 +272,25 @@ def _read(f: Any, e: TensorEntry) -> np.ndarray:
     return buf
 
 
-def from_safetensors(
+def safetensors_rows(
     path: str | Path,
     *,
     algo: str = DEFAULT_ALGO,
     backend: str = "auto",
     progress: bool | None = None,
-    **rank_info: Any,
-) -> pd.DataFrame:
-    """A digest table of a safetensors file or a directory of shards (index or not).
+) -> list[dict[str, Any]]:
+    """The rows :func:`from_safetensors` makes its table of (``name``, ``digest``, ``algo``, ``dtype``,
+    ``shape``, ``nbytes``, ``device``, ``seconds``), in file order, without importing pandas.
 
-    Reads lazily: one tensor's bytes in memory at a time. Digests equal those of
-    the same tensors loaded into PyTorch. Rows are in file order, shard by shard.
+    For callers that only print or send the digests (``wcviz digest`` starts faster so).
+    Every header is checked before a tensor is read; rows come back only when every tensor
+    was digested.
     """
     from tqdm.auto import tqdm
 
-    info = check_rank_info(rank_info)
-    info.setdefault("role", "checkpoint")
-    info.setdefault("phase", "current")
     path = Path(path)
     entries = _entries(path)
-    rows = []
+    rows: list[dict[str, Any]] = []
     disable = None if progress is None else not progress  # None: only on a terminal
     bar = tqdm(total=sum(e.nbytes for e in entries), unit="B", unit_scale=True, desc=path.name, disable=disable)
     try:
@@ -310,7 +310,6 @@ def from_safetensors(
                             "nbytes": e.nbytes,
                             "device": "cpu",
                             "seconds": time.perf_counter() - t0,
-                            **info,
                         }
                     )
                     bar.update(e.nbytes)
@@ -319,6 +318,25 @@ def from_safetensors(
         raise CheckpointError(f"{path}: read failed: {err.strerror or err}") from None
     finally:
         bar.close()
-    return make_frame(rows)
+    return rows
 
 
+def from_safetensors(
+    path: str | Path,
+    *,
+    algo: str = DEFAULT_ALGO,
+    backend: str = "auto",
+    progress: bool | None = None,
+    **rank_info: Any,
+) -> pd.DataFrame:
+    """A digest table of a safetensors file or a directory of shards (index or not).
+
+    Reads lazily: one tensor's bytes in memory at a time. Digests equal those of
+    the same tensors loaded into PyTorch. Rows are in file order, shard by shard.
+    """
+    from wcviz.frame import check_rank_info, make_frame
+
+    info = check_rank_info(rank_info)
+    info.setdefault("role", "checkpoint")
+    info.setdefault("phase", "current")
+    return make_frame({**row, **info} for row in safetensors_rows(path, algo=algo, backend=backend, progress=progress))
