@@ -7,6 +7,9 @@ temp folder, then times, best of ``--repeat``: the numba kernel alone on one ten
 the same bytes (the reference for the ratio), :func:`wcviz.sources.from_safetensors`
 with the file in the page cache, and the same with the file evicted from the page cache
 first (``posix_fadvise(DONTNEED)``: the disk-bound rate, where the OS honours it).
+Then the engines' SHA-256 (``vllm-sha256``), file in the page cache: hashlib over each
+tensor of the mapped file one after the other (what the reader did before) against
+``from_safetensors(algo="vllm-sha256")``, which runs tensors side by side on threads.
 """
 
 from __future__ import annotations
@@ -76,11 +79,32 @@ def main() -> None:
                 from_safetensors(path, progress=False)
                 times.append(time.perf_counter() - t0)
             cold = min(times)
+        serial, sha = _sha256_rates(path, args.repeat)
     print(f"{nbytes / 2**20:.0f} MiB checkpoint, best of {args.repeat}, {os.cpu_count()} CPU(s), torch {torch.__version__}")
     print(f"  kernel alone (one tensor of the same bytes)   {nbytes / kernel / 1e9:6.2f} GB/s  1.00x")
     print(f"  from_safetensors, file in the page cache      {nbytes / warm / 1e9:6.2f} GB/s  {kernel / warm:.2f}x")
     if cold is not None:
         print(f"  from_safetensors, file evicted (disk-bound)   {nbytes / cold / 1e9:6.2f} GB/s  {kernel / cold:.2f}x")
+    print(f"  vllm-sha256, hashlib per tensor one after the other   {nbytes / serial / 1e9:6.2f} GB/s  1.00x")
+    print(f"  vllm-sha256, from_safetensors (side by side)          {nbytes / sha / 1e9:6.2f} GB/s  {serial / sha:.2f}x")
+
+
+def _sha256_rates(path: Path, repeat: int) -> tuple[float, float]:
+    """Seconds for the checkpoint's vllm-sha256 digests: hashlib one tensor after the other, and from_safetensors."""
+    import hashlib
+
+    import numpy as np
+
+    from wcviz.sources import from_safetensors
+    from wcviz.sources._safetensors import read_header
+
+    entries = read_header(path)
+    mapped = np.memmap(path, dtype=np.uint8, mode="r")
+    one_by_one = [hashlib.sha256(mapped[e.start : e.start + e.nbytes]).hexdigest() for e in entries]
+    got = from_safetensors(path, algo="vllm-sha256", progress=False)
+    assert list(got["digest"]) == one_by_one, "the side-by-side digests differ from hashlib's"
+    serial = _best(lambda: [hashlib.sha256(mapped[e.start : e.start + e.nbytes]).hexdigest() for e in entries], repeat)
+    return serial, _best(lambda: from_safetensors(path, algo="vllm-sha256", progress=False), repeat)
 
 
 if __name__ == "__main__":

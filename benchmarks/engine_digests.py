@@ -14,6 +14,11 @@ the same computation over 1 MiB that stays in cache (called again and again: no 
 traffic; for SHA-256, hashlib on one core, as SHA-256 of one stream cannot be split), its
 memory bound one pass of numpy over the big tensor's bytes; the big tensor's rate is
 reported as a percentage of the lower of the two.
+
+Last, many tensors (``--tensors`` of ``--mib / --tensors`` MiB each, the same bytes): one
+SHA-256 stream cannot be split, but tensors can run side by side. The public
+``digest_many`` (threads: the digest kernel's count) against hashlib one tensor after
+the other, and against hashlib on one thread per CPU by hand (the bound for this).
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--mib", type=int, default=256)
     ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--tensors", type=int, default=8, help="tensors the big one is cut into for the many-tensor table")
     args = ap.parse_args()
 
     import torch
@@ -65,6 +71,37 @@ def main() -> None:
         ref = gbps if ref is None else ref
         print(f"  {label:<58} {gbps:6.2f} GB/s  {gbps / ref:5.2f}x")
     bounds(t, args.repeat)
+    many(t, args.tensors, args.repeat)
+
+
+def many(t: Any, count: int, repeat: int) -> None:
+    """SHA-256 over ``count`` tensors: one after the other, ``digest_many``, and one thread per CPU by hand."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+
+    from wcviz.digest import digest_many
+    from wcviz.digest._pool import host_threads
+
+    parts = {f"t{i}": p.clone() for i, p in enumerate(t.chunk(count))}
+    raws = [p.view(torch.uint8).numpy() for p in parts.values()]
+    nbytes = sum(r.nbytes for r in raws)
+    threads = host_threads()
+    with ThreadPoolExecutor(threads) as pool:
+        runs = {
+            "hashlib, one tensor after the other (before)": lambda: [hashlib.sha256(r).hexdigest() for r in raws],
+            f"hashlib, {threads} threads by hand (the bound)": lambda: list(pool.map(lambda r: hashlib.sha256(r).hexdigest(), raws)),
+            "digest_many(algo='vllm-sha256')": lambda: digest_many(parts, algo="vllm-sha256"),
+            "digest_many(algo='sglang-cpu')": lambda: digest_many(parts, algo="sglang-cpu"),
+        }
+        print(f"\n{count} tensors of {nbytes / count / (1 << 20):.0f} MiB, {threads} thread(s) for host hashes")
+        print("| how | GB/s | x one after the other |")
+        print("|---|---:|---:|")
+        ref = None
+        for label, fn in runs.items():
+            gbps = nbytes / _best(fn, repeat) / 1e9
+            ref = gbps if ref is None else ref
+            print(f"| {label} | {gbps:.2f} | {gbps / ref:.2f}x |")
 
 
 def bounds(t: Any, repeat: int) -> None:

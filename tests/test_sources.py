@@ -295,13 +295,17 @@ def many_tensor_file(tmp_path_factory):
 def test_reads_one_tensor_at_a_time(monkeypatch, many_tensor_file):
     path, largest = many_tensor_file
     sizes = []
-    real = st.digest_buffer
+    real = st.digest_buffers
 
-    def spy(raw, *a, **k):
-        sizes.append(raw.nbytes)
-        return real(raw, *a, **k)
+    def spy(buffers, **k):
+        def seen():
+            for raw, *rest in buffers:
+                sizes.append(raw.nbytes)
+                yield (raw, *rest)
 
-    monkeypatch.setattr(st, "digest_buffer", spy)
+        return real(seen(), **k)
+
+    monkeypatch.setattr(st, "digest_buffers", spy)
     reads = []
     real_open = open
 
@@ -528,8 +532,8 @@ BAD = [
 def test_bad_checkpoints_raise_naming_file_and_tensor(tmp_path, monkeypatch, make):
     path, fragments = make(tmp_path)
     calls = []
-    real = st.digest_buffer
-    monkeypatch.setattr(st, "digest_buffer", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = st.digest_buffers
+    monkeypatch.setattr(st, "digest_buffers", lambda buffers, **k: real((calls.append(1) or b for b in buffers), **k))
     result = None
     with pytest.raises(CheckpointError) as info:
         result = from_safetensors(path, progress=False)

@@ -23,7 +23,6 @@ from wcviz.digest._api import (
     TensorMeta,
     as_pairs,
     compare_digests,
-    digest_buffer,
     digest_format_error,
     digest_hex,
     digest_many,
@@ -32,6 +31,7 @@ from wcviz.digest._api import (
     resolve_backend,
     tensor_digest,
 )
+from wcviz.digest._buffers import digest_buffer, digest_buffers
 from wcviz.digest._engines import ENGINE_ALGORITHMS, reference_sglang_gpu
 from wcviz.digest._fill import FILL_ALGORITHMS, fill_digest
 from wcviz.digest._lanes import logical_bytes
@@ -50,6 +50,7 @@ __all__ = [
     "as_pairs",
     "compare_digests",
     "digest_buffer",
+    "digest_buffers",
     "digest_format_error",
     "digest_hex",
     "digest_many",

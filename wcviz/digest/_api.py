@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 import time
@@ -9,11 +10,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple, Union
 
 from wcviz._errors import AlgorithmMismatch, DigestError
-from wcviz.digest import _lanes, _spec
+from wcviz.digest import _lanes, _pool, _spec
 from wcviz.digest._sha256 import sha256_hex
 
 if TYPE_CHECKING:
-    import numpy as np
     import torch
 
 __all__ = [
@@ -27,7 +27,6 @@ __all__ = [
     "digest_hex",
     "digest_many",
     "digest_timed",
-    "digest_buffer",
     "compare_digests",
     "as_pairs",
     "NamedTensors",
@@ -416,6 +415,8 @@ def digest_timed(
         if how is None:
             how = resolved[kind] = resolve_backend(backend, kind, name)
         chosen.append(how)
+    if algo in _pool.HASHLIB_ALGOS:  # one SHA-256 stream per tensor: tensors side by side, on threads
+        return _hashed(items, sizes, algo, progress)
     out: dict[str, tuple[Digest, float]] = {}
     queued: dict[Any, list[tuple[str, torch.Tensor, int]]] = {}
     started: dict[Any, float] = {}
@@ -446,6 +447,20 @@ def digest_timed(
         hexes = _spec.hex_pairs(_to_host(torch.stack([w for _, w, _ in rows])))  # the one sync for this device
         _share(out, [(name, h, b) for (name, _, b), h in zip(rows, hexes)], time.perf_counter() - started[device])
     return {name: out[name] for name, _ in items}
+
+
+def _hashed(items: list[tuple[str, torch.Tensor]], sizes: list[int], algo: str, progress: bool | None) -> dict[str, tuple[Digest, float]]:
+    """Each tensor's SHA-256 digest on its own thread (``_pool``), each timed on its own."""
+    from tqdm.auto import tqdm
+
+    bar = None if progress is False else tqdm(total=len(items), desc="digest", unit="tensor", disable=not progress if progress is not None else None)
+    jobs = ((functools.partial(_sha256_of, t, name, algo), n) for (name, t), n in zip(items, sizes))
+    try:
+        timed = _pool.side_by_side(jobs, done=None if bar is None else lambda _: bar.update())
+    finally:
+        if bar is not None:
+            bar.close()
+    return {name: r for (name, _), r in zip(items, timed)}
 
 
 def _share(out: dict[str, tuple[Digest, float]], rows: list[tuple[str, str, int]], total: float) -> None:
@@ -511,71 +526,6 @@ def digest_many(
     """
     timed = digest_timed(named_tensors, algo=algo, backend=backend, progress=progress)
     return {name: d for name, (d, _) in timed.items()}
-
-
-def digest_buffer(
-    raw: np.ndarray,
-    dtype: torch.dtype | str,
-    shape: Sequence[int],
-    *,
-    algo: str = DEFAULT_ALGO,
-    backend: str = "auto",
-    name: str | None = None,
-) -> Digest:
-    """Digest raw little-endian bytes as a tensor of ``dtype`` and ``shape`` would be.
-
-    For readers (checkpoints) that hold bytes, not tensors: the result equals
-    :func:`digest_hex` of the tensor those bytes encode. ``raw`` is a 1-D
-    ``uint8`` array of exactly ``nbytes``, or longer with zero padding after.
-    """
-    import numpy as np
-
-    dtype_name, itemsize = _dtype_of(dtype)  # torch is imported only for a dtype name it alone knows
-    shape = tuple(int(d) for d in shape)
-    nbytes = int(np.prod(shape, dtype=np.int64)) * itemsize
-    if raw.dtype != np.uint8 or raw.ndim != 1 or raw.shape[0] < nbytes:
-        what = f"tensor {name!r}" if name else "buffer"
-        raise DigestError(f"{what}: expected at least {nbytes} bytes of uint8 for {dtype_name} {list(shape)}, got {raw.shape[0]} {raw.dtype}")
-    if _check_algo(algo) == "sha256":
-        return Digest(sha256_hex(raw.data, dtype_name, shape, nbytes), "sha256")
-    if algo != _spec.ALGO:
-        from wcviz.digest._engines import engine_digest
-
-        return Digest(engine_digest(algo, raw[:nbytes]), algo)
-    padded = (nbytes + 7) // 8 * 8
-    if raw.shape[0] >= padded and raw.ctypes.data % 8 == 0 and not raw[nbytes:padded].any():
-        lanes = raw[:padded].view(np.uint64)
-    else:
-        buf = np.zeros(padded, dtype=np.uint8)
-        buf[:nbytes] = raw[:nbytes]
-        lanes = buf.view(np.uint64)
-    seed = _spec.seeds(dtype_name, shape, nbytes)
-    chosen = resolve_backend(backend, "cpu", name)
-    if chosen == "numba":  # no torch at all: a checkpoint reader (the CLI) starts at once
-        from wcviz.digest import _numba
-
-        return _hex_words(list(_numba.lanes_digest(lanes, seed)))
-    import torch
-
-    return _hex_words(_words(torch.from_numpy(lanes.view(np.int64)), seed, chosen).tolist())
-
-
-# PyTorch's names of the dtypes checkpoints hold, with their widths: what digest_buffer needs without torch
-_WIDTHS = {
-    "bool": 1, "uint8": 1, "int8": 1, "uint16": 2, "int16": 2, "float16": 2, "bfloat16": 2, "uint32": 4, "int32": 4,
-    "float32": 4, "uint64": 8, "int64": 8, "float64": 8, "complex64": 8, "complex128": 16, "float8_e4m3fn": 1,
-    "float8_e5m2": 1, "float8_e8m0fnu": 1, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1,
-}  # fmt: skip
-
-
-def _dtype_of(dtype: Any) -> tuple[str, int]:
-    """``("torch.<name>", bytes per element)`` of a dtype or its name, importing torch only for names not listed."""
-    if isinstance(dtype, str):
-        bare = dtype.removeprefix("torch.")
-        if bare in _WIDTHS:
-            return f"torch.{bare}", _WIDTHS[bare]
-    dt = parse_dtype(dtype)
-    return str(dt), dt.itemsize
 
 
 def _algos(side: Mapping[str, str]) -> set[str]:

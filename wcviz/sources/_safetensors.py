@@ -15,7 +15,6 @@ import json
 import os
 import math
 import struct
-import time
 from dataclasses import dataclass
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,7 +24,7 @@ import numpy as np
 
 from wcviz._errors import CheckpointError
 from wcviz._text import shape_str
-from wcviz.digest import DEFAULT_ALGO, digest_buffer
+from wcviz.digest import DEFAULT_ALGO, digest_buffers
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -284,7 +283,9 @@ def safetensors_rows(
 
     For callers that only print or send the digests (``wcviz digest`` starts faster so).
     Every header is checked before a tensor is read; rows come back only when every tensor
-    was digested.
+    was digested. The SHA-256 algorithms digest several tensors side by side
+    (:func:`wcviz.digest.digest_buffers`); a file that cannot be memory-mapped is read into
+    one buffer per tensor in flight.
     """
     from tqdm.auto import tqdm
 
@@ -295,11 +296,11 @@ def safetensors_rows(
     bar = tqdm(total=sum(e.nbytes for e in entries), unit="B", unit_scale=True, desc=path.name, disable=disable)
     try:
         for file, group in itertools.groupby(entries, key=lambda e: e.file):  # entries come shard by shard
+            tensors = list(group)
             with open(file, "rb") as f, _mapped(f) as data:
-                for e in group:
-                    buf = _view(f, data, e) if data is not None else _read(f, e)
-                    t0 = time.perf_counter()
-                    d = digest_buffer(buf, e.dtype, e.shape, algo=algo, backend=backend, name=e.name)
+                buffers = ((_view(f, data, e) if data is not None else _read(f, e), e.dtype, e.shape, e.name) for e in tensors)
+                timed = digest_buffers(buffers, algo=algo, backend=backend, done=bar.update)  # SHA-256: tensors side by side
+                for e, (d, seconds) in zip(tensors, timed):
                     rows.append(
                         {
                             "name": e.name,
@@ -309,11 +310,10 @@ def safetensors_rows(
                             "shape": shape_str(e.shape),
                             "nbytes": e.nbytes,
                             "device": "cpu",
-                            "seconds": time.perf_counter() - t0,
+                            "seconds": seconds,
                         }
                     )
-                    bar.update(e.nbytes)
-                    del buf  # a view of the map: none may outlive it
+                del buffers, timed  # views of the map: none may outlive it
     except OSError as err:
         raise CheckpointError(f"{path}: read failed: {err.strerror or err}") from None
     finally:
