@@ -10,6 +10,13 @@ first (``posix_fadvise(DONTNEED)``: the disk-bound rate, where the OS honours it
 Then the engines' SHA-256 (``vllm-sha256``), file in the page cache: hashlib over each
 tensor of the mapped file one after the other (what the reader did before) against
 ``from_safetensors(algo="vllm-sha256")``, which runs tensors side by side on threads.
+
+``--parts`` then says where the warm reader's time goes, each part timed in alternation
+(one run of each per round, best of ``--repeat`` rounds): the kernel on one tensor of the
+bytes, the kernel per tensor on anonymous memory, the kernel per tensor on numpy views
+of the mapped file and nothing else, ``safetensors_rows`` (the reader without the
+frame), ``from_safetensors``; and the kernel on anonymous memory in huge pages against
+4 KiB pages (``MADV_NOHUGEPAGE``), the page size the page cache is mapped with.
 """
 
 from __future__ import annotations
@@ -47,6 +54,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--mib", type=int, default=512)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--parts", action="store_true", help="also time the reader's parts in alternation")
     args = ap.parse_args()
 
     import torch
@@ -80,6 +88,7 @@ def main() -> None:
                 times.append(time.perf_counter() - t0)
             cold = min(times)
         serial, sha = _sha256_rates(path, args.repeat)
+        parts = _parts(path, whole, args.repeat) if args.parts else None
     print(f"{nbytes / 2**20:.0f} MiB checkpoint, best of {args.repeat}, {os.cpu_count()} CPU(s), torch {torch.__version__}")
     print(f"  kernel alone (one tensor of the same bytes)   {nbytes / kernel / 1e9:6.2f} GB/s  1.00x")
     print(f"  from_safetensors, file in the page cache      {nbytes / warm / 1e9:6.2f} GB/s  {kernel / warm:.2f}x")
@@ -87,6 +96,98 @@ def main() -> None:
         print(f"  from_safetensors, file evicted (disk-bound)   {nbytes / cold / 1e9:6.2f} GB/s  {kernel / cold:.2f}x")
     print(f"  vllm-sha256, hashlib per tensor one after the other   {nbytes / serial / 1e9:6.2f} GB/s  1.00x")
     print(f"  vllm-sha256, from_safetensors (side by side)          {nbytes / sha / 1e9:6.2f} GB/s  {serial / sha:.2f}x")
+    if parts is not None:
+        print(f"\nwhere the warm reader's time goes, in alternation, best of {args.repeat} rounds")
+        print("| what | GB/s | x kernel |")
+        print("|---|---:|---:|")
+        for label, seconds in parts.items():
+            print(f"| {label} | {nbytes / seconds / 1e9:.2f} | {parts['kernel on one tensor of the bytes'] / seconds:.2f}x |")
+        pages = _page_sizes(args.repeat)
+        print("\nthe kernel on 1 GiB of anonymous memory: " + ", ".join(f"{k} {v:.2f} GB/s" for k, v in pages.items()))
+
+
+def _parts(path: Path, whole, repeat: int) -> dict[str, float]:  # type: ignore[no-untyped-def]
+    """Best seconds of each part of the warm reader, timed in alternation."""
+    import mmap
+
+    import numpy as np
+
+    from wcviz.digest import _spec
+    from wcviz.digest._numba import lanes_digest
+    from wcviz.sources import from_safetensors, safetensors_rows
+    from wcviz.sources._safetensors import read_header
+
+    entries = read_header(path)
+    seeds = [_spec.seeds(f"torch.{e.dtype}", e.shape, e.nbytes) for e in entries]
+    lanes = whole.view(-1).view(__import__("torch").int64).numpy().view(np.uint64)
+    offsets = np.cumsum([0] + [e.nbytes // 8 for e in entries])
+    anon = [lanes[offsets[i] : offsets[i + 1]] for i in range(len(entries))]
+
+    import ctypes
+    import resource
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    faults: dict[str, int] = {}
+
+    def mapped_loop(populate: bool = False) -> None:
+        label = "populated" if populate else "faulted"
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        with open(path, "rb") as f:
+            mm = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+            data = np.frombuffer(mm, dtype=np.uint8)
+            base = data.ctypes.data
+            for e, seed in zip(entries, seeds):
+                if populate:  # MADV_POPULATE_READ (22, Linux 5.14): the tensor's pages mapped in one call first
+                    start = (base + e.start) & ~4095
+                    libc.madvise(start, base + e.start + e.nbytes - start, 22)
+                lanes_digest(data[e.start : e.start + e.nbytes].view(np.uint64), seed)
+            del data
+            mm.close()
+        faults[label] = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+    runs = {
+        "kernel on one tensor of the bytes": lambda: lanes_digest(lanes, (1, 2)),
+        "kernel per tensor, anonymous memory": lambda: [lanes_digest(a, s) for a, s in zip(anon, seeds)],
+        "kernel per tensor, views of the mapped file": mapped_loop,
+        "the same, each tensor's pages populated first (MADV_POPULATE_READ)": lambda: mapped_loop(populate=True),
+        "safetensors_rows (the reader, no frame)": lambda: safetensors_rows(path, progress=False),
+        "from_safetensors": lambda: from_safetensors(path, progress=False),
+    }
+    best = {k: float("inf") for k in runs}
+    for _ in range(repeat):
+        for k, fn in runs.items():
+            t0 = time.perf_counter()
+            fn()
+            best[k] = min(best[k], time.perf_counter() - t0)
+    print(f"minor page faults per pass over the mapped file: {faults}")
+    return best
+
+
+def _page_sizes(repeat: int) -> dict[str, float]:
+    """GB/s of the kernel on 1 GiB of anonymous memory in huge pages and in 4 KiB pages, in alternation."""
+    import mmap
+
+    import numpy as np
+
+    from wcviz.digest._numba import lanes_digest
+
+    n = 1 << 30
+    arrays = {}
+    for label, advice in (("huge pages", getattr(mmap, "MADV_HUGEPAGE", None)), ("4 KiB pages", getattr(mmap, "MADV_NOHUGEPAGE", None))):
+        mm = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        if advice is not None:
+            mm.madvise(advice)
+        a = np.frombuffer(mm, dtype=np.uint64)
+        a[:] = np.arange(a.size, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+        arrays[label] = a
+    best = {k: float("inf") for k in arrays}
+    for _ in range(repeat + 1):
+        for k, a in arrays.items():
+            t0 = time.perf_counter()
+            lanes_digest(a, (1, 2))
+            best[k] = min(best[k], time.perf_counter() - t0)
+    return {k: n / v / 1e9 for k, v in best.items()}
 
 
 def _sha256_rates(path: Path, repeat: int) -> tuple[float, float]:
