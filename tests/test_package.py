@@ -55,6 +55,11 @@ def test_sources_load_what_is_used() -> None:
             assert value is getattr(importlib.import_module(f"wcviz.sources.{module}"), attr), name
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         sources.nope  # noqa: B018
+    with pytest.raises(AttributeError, match="no attribute '_nope'"):
+        sources._nope  # noqa: B018
+    code = "import wcviz.sources as s; print(s._fleet.__name__, s._http.__name__)"  # submodules still reachable as attributes
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["wcviz.sources._fleet", "wcviz.sources._http"]
 
 
 def test_readme_python_example_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:

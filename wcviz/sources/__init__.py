@@ -114,6 +114,11 @@ def __getattr__(name: str) -> Any:
     if name in _MOVED:
         return getattr(import_module(_MOVED[name]), name)
     if name not in _EXPORTS:
+        if name.startswith("_") and name[1:2].isalpha():  # a submodule, reached as an attribute as before
+            try:
+                return import_module(f"wcviz.sources.{name}")
+            except ModuleNotFoundError:
+                pass
         raise AttributeError(f"module 'wcviz.sources' has no attribute {name!r}")
     module, attr = _EXPORTS[name]
     value = getattr(import_module(f"wcviz.sources.{module}"), attr)
