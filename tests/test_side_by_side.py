@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from wcviz.digest import _api, _pool, digest_buffers, digest_hex, digest_many, set_digest_threads
+from wcviz.digest import _api, _buffers, _pool, digest_buffers, digest_hex, digest_many, set_digest_threads
 from wcviz.sources import _safetensors as st
 from wcviz.sources import from_safetensors, from_state_dict
 
@@ -143,9 +143,18 @@ def test_checkpoint_side_by_side_equals_the_tensors(algo: str, tmp_path, monkeyp
     save_file(dict(list(tensors.items())[:7]), str(tmp_path / "model-00001-of-00002.safetensors"))
     save_file(dict(list(tensors.items())[7:]), str(tmp_path / "model-00002-of-00002.safetensors"))
     monkeypatch.setattr(_pool, "host_threads", lambda: 2)
+    threads: set[str] = set()
+    real = _buffers.digest_buffer
+
+    def spy(*a, **k):  # type: ignore[no-untyped-def]
+        threads.add(threading.current_thread().name)
+        return real(*a, **k)
+
+    monkeypatch.setattr(_buffers, "digest_buffer", spy)
     want = from_state_dict(tensors, algo=algo, progress=False).set_index("name")["digest"]
     mapped = from_safetensors(tmp_path, algo=algo, progress=False).set_index("name")["digest"]
     assert mapped.sort_index().equals(want.sort_index())
+    assert any(n.startswith("wcviz-hash") for n in threads), threads  # the reader's big tensors went to the pool
 
     import contextlib
 

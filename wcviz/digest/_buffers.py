@@ -59,7 +59,7 @@ def digest_buffer(
 
     dtype_name, itemsize = _dtype_of(dtype)  # torch is imported only for a dtype name it alone knows
     shape = tuple(int(d) for d in shape)
-    nbytes = int(np.prod(shape, dtype=np.int64)) * itemsize
+    nbytes = _nbytes(itemsize, shape)
     if raw.dtype != np.uint8 or raw.ndim != 1 or raw.shape[0] < nbytes:
         what = f"tensor {name!r}" if name else "buffer"
         raise DigestError(f"{what}: expected at least {nbytes} bytes of uint8 for {dtype_name} {list(shape)}, got {raw.shape[0]} {raw.dtype}")
@@ -104,14 +104,15 @@ def digest_buffers(
     """
     threads = None if _check_algo(algo) in _pool.HASHLIB_ALGOS else 1
     jobs = (
-        (functools.partial(digest_buffer, raw, dtype, shape, algo=algo, backend=backend, name=name), _nbytes(dtype, shape))
+        (functools.partial(digest_buffer, raw, dtype, shape, algo=algo, backend=backend, name=name), _nbytes(_dtype_of(dtype)[1], shape))
         for raw, dtype, shape, name in buffers
     )
     return _pool.side_by_side(jobs, threads=threads, done=done)
 
 
-def _nbytes(dtype: Any, shape: Sequence[int]) -> int:
-    n = _dtype_of(dtype)[1]
+def _nbytes(itemsize: int, shape: Sequence[int]) -> int:
+    """Bytes of a tensor, in Python integers (no int64 product that could wrap for a header's absurd shape)."""
+    n = itemsize
     for d in shape:
         n *= int(d)
     return n

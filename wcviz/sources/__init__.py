@@ -11,6 +11,7 @@ an answer must be and the one :class:`FetchResult` it returns are shared
 from __future__ import annotations
 
 from importlib import import_module
+from importlib.util import find_spec
 from typing import TYPE_CHECKING, Any
 
 # public name -> (private module, its name there). Loaded on first use, so that reading a checkpoint
@@ -114,11 +115,8 @@ def __getattr__(name: str) -> Any:
     if name in _MOVED:
         return getattr(import_module(_MOVED[name]), name)
     if name not in _EXPORTS:
-        if name.startswith("_") and name[1:2].isalpha():  # a submodule, reached as an attribute as before
-            try:
-                return import_module(f"wcviz.sources.{name}")
-            except ModuleNotFoundError:
-                pass
+        if name.startswith("_") and name[1:2].isalpha() and find_spec(f"wcviz.sources.{name}") is not None:
+            return import_module(f"wcviz.sources.{name}")  # a submodule, reached as an attribute as before
         raise AttributeError(f"module 'wcviz.sources' has no attribute {name!r}")
     module, attr = _EXPORTS[name]
     value = getattr(import_module(f"wcviz.sources.{module}"), attr)
