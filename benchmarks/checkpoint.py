@@ -11,6 +11,14 @@ Then the engines' SHA-256 (``vllm-sha256``), file in the page cache: hashlib ove
 tensor of the mapped file one after the other (what the reader did before) against
 ``from_safetensors(algo="vllm-sha256")``, which runs tensors side by side on threads.
 
+A warm rate depends on how the file came into the page cache: where the OS keeps a file in
+2 MiB folios (Linux 6.x on ext4 and others) a mapping takes one fault per 2 MiB and huge TLB
+entries, in 4 KiB pages one fault per 64 KiB. So the warm reader is timed twice more after
+the evicted runs, the cache as its own cold read left it: once reading with the advice the
+reader gave before (``MADV_SEQUENTIAL`` only; its rows walk the file in an order that makes
+readahead choose small folios), once with the reader's advice (``MADV_HUGEPAGE`` too), each
+with the minor faults of one pass over the file and the share of it mapped in 2 MiB pieces.
+
 ``--parts`` then says where the warm reader's time goes, each part timed in alternation
 (one run of each per round, best of ``--repeat`` rounds): the kernel on one tensor of the
 bytes, the kernel per tensor on anonymous memory, the kernel per tensor on numpy views
@@ -22,6 +30,7 @@ frame), ``from_safetensors``; and the kernel on anonymous memory in huge pages a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import tempfile
 import time
@@ -76,8 +85,8 @@ def main() -> None:
         del sd
         digest_hex(whole, backend="numba")  # compile / load the kernels' cache
         from_safetensors(path, progress=False)
-        kernel = _best(lambda: digest_hex(whole, backend="numba"), args.repeat)
-        warm = _best(lambda: from_safetensors(path, progress=False), args.repeat)
+        pair = {"kernel": lambda: digest_hex(whole, backend="numba"), "reader": lambda: from_safetensors(path, progress=False)}
+        warm = {"as the writer left it": (_alternating(pair, args.repeat), _cache_state(path))}
         cold = None
         if _evict(path):
             times = []
@@ -87,13 +96,25 @@ def main() -> None:
                 from_safetensors(path, progress=False)
                 times.append(time.perf_counter() - t0)
             cold = min(times)
+            for label, advice in (("as a cold read with MADV_SEQUENTIAL only (the advice before) left it", _sequential_only),
+                                  ("as a cold read with the reader's advice left it", None)):
+                _evict(path)
+                with _advice(advice):
+                    from_safetensors(path, progress=False)  # the cold read that fills the page cache
+                warm[label] = (_alternating(pair, args.repeat), _cache_state(path))
         serial, sha = _sha256_rates(path, args.repeat)
         parts = _parts(path, whole, args.repeat) if args.parts else None
+    kernel = warm["as the writer left it"][0]["kernel"]
     print(f"{nbytes / 2**20:.0f} MiB checkpoint, best of {args.repeat}, {os.cpu_count()} CPU(s), torch {torch.__version__}")
     print(f"  kernel alone (one tensor of the same bytes)   {nbytes / kernel / 1e9:6.2f} GB/s  1.00x")
-    print(f"  from_safetensors, file in the page cache      {nbytes / warm / 1e9:6.2f} GB/s  {kernel / warm:.2f}x")
     if cold is not None:
         print(f"  from_safetensors, file evicted (disk-bound)   {nbytes / cold / 1e9:6.2f} GB/s  {kernel / cold:.2f}x")
+    print("\nfrom_safetensors with the file in the page cache, timed in alternation with the kernel alone")
+    print("| page cache | GB/s | x kernel (same rounds) | minor faults per pass | mapped in 2 MiB pieces |")
+    print("|---|---:|---:|---:|---:|")
+    for label, (best, (faults, pmd)) in warm.items():
+        print(f"| {label} | {nbytes / best['reader'] / 1e9:.2f} | {best['kernel'] / best['reader']:.2f}x | {faults} | {pmd:.0%} |")
+    print()
     print(f"  vllm-sha256, hashlib per tensor one after the other   {nbytes / serial / 1e9:6.2f} GB/s  1.00x")
     print(f"  vllm-sha256, from_safetensors (side by side)          {nbytes / sha / 1e9:6.2f} GB/s  {serial / sha:.2f}x")
     if parts is not None:
@@ -104,6 +125,73 @@ def main() -> None:
             print(f"| {label} | {nbytes / seconds / 1e9:.2f} | {parts['kernel on one tensor of the bytes'] / seconds:.2f}x |")
         pages = _page_sizes(args.repeat)
         print("\nthe kernel on 1 GiB of anonymous memory: " + ", ".join(f"{k} {v:.2f} GB/s" for k, v in pages.items()))
+
+
+def _alternating(runs, repeat: int) -> dict[str, float]:  # type: ignore[no-untyped-def]
+    """Best seconds of each of ``runs``, one run of each per round (a slow minute of the host hits all of them)."""
+    best = {k: float("inf") for k in runs}
+    for _ in range(repeat):
+        for k, fn in runs.items():
+            t0 = time.perf_counter()
+            fn()
+            best[k] = min(best[k], time.perf_counter() - t0)
+    return best
+
+
+def _sequential_only(mm) -> None:  # type: ignore[no-untyped-def]
+    import mmap
+
+    mm.madvise(mmap.MADV_SEQUENTIAL)
+
+
+@contextlib.contextmanager
+def _advice(advise):  # type: ignore[no-untyped-def]
+    """The reader's mapping advice replaced by ``advise`` for the block (None: left as it is)."""
+    from wcviz.sources import _safetensors
+
+    kept = _safetensors._advise
+    if advise is not None:
+        _safetensors._advise = advise
+    try:
+        yield
+    finally:
+        _safetensors._advise = kept
+
+
+def _cache_state(path: Path) -> tuple[int, float]:
+    """Minor faults of one pass over the file through a fresh mapping (one read per 4 KiB page, no advice), and the
+    share of the file that mapping held in 2 MiB pieces (``FilePmdMapped`` of ``/proc/self/smaps``; 0 where absent)."""
+    import mmap
+    import resource
+
+    import numpy as np
+
+    with open(path, "rb") as f:
+        mm = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        data = np.frombuffer(mm, dtype=np.uint8)
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        int(data[::4096].sum())
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+        pmd_kib = _pmd_mapped_kib(data.ctypes.data)
+        del data
+        mm.close()
+    return faults, pmd_kib * 1024 / max(1, path.stat().st_size)
+
+
+def _pmd_mapped_kib(address: int) -> int:
+    try:
+        lines = Path("/proc/self/smaps").read_text().splitlines()
+    except OSError:
+        return 0
+    inside = False
+    for line in lines:
+        head = line.split()
+        if head and "-" in head[0] and not head[0].endswith(":"):
+            lo, hi = (int(x, 16) for x in head[0].split("-"))
+            inside = lo <= address < hi
+        elif inside and head[:1] == ["FilePmdMapped:"]:
+            return int(head[1])
+    return 0
 
 
 def _parts(path: Path, whole, repeat: int) -> dict[str, float]:  # type: ignore[no-untyped-def]
@@ -154,12 +242,7 @@ def _parts(path: Path, whole, repeat: int) -> dict[str, float]:  # type: ignore[
         "safetensors_rows (the reader, no frame)": lambda: safetensors_rows(path, progress=False),
         "from_safetensors": lambda: from_safetensors(path, progress=False),
     }
-    best = {k: float("inf") for k in runs}
-    for _ in range(repeat):
-        for k, fn in runs.items():
-            t0 = time.perf_counter()
-            fn()
-            best[k] = min(best[k], time.perf_counter() - t0)
+    best = _alternating(runs, repeat)
     print(f"minor page faults per pass over the mapped file: {faults}")
     return best
 

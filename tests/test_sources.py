@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import struct
+import sys
 import tracemalloc
 from pathlib import Path
 
@@ -229,6 +231,83 @@ def test_from_safetensors_rank_info(zoo_file):
     df = from_safetensors(zoo_file, role="engine", rank=3, tp=1, host="n1", step=9, progress=False)
     assert (df["role"] == "engine").all() and (df["rank"] == 3).all() and (df["tp"] == 1).all()
     assert (df["host"] == "n1").all() and (df["step"] == 9).all()
+
+
+class _AdviceSpy:
+    """Stands in for an ``mmap.mmap``: records the advice it is given, refusing what it is told to refuse."""
+
+    def __init__(self, refuse: tuple[int, ...] = ()) -> None:
+        self.given: list[int] = []
+        self.refuse = refuse
+
+    def madvise(self, advice: int) -> None:
+        self.given.append(advice)
+        if advice in self.refuse:
+            raise OSError(22, "Invalid argument")
+
+
+def test_mapping_advice_asks_for_readahead_and_2mib_folios():
+    import mmap
+
+    wanted = [getattr(mmap, n) for n in ("MADV_HUGEPAGE", "MADV_SEQUENTIAL") if hasattr(mmap, n)]
+    spy = _AdviceSpy()
+    st._advise(spy)
+    assert spy.given == wanted
+    if sys.platform == "linux":
+        assert mmap.MADV_HUGEPAGE in spy.given and mmap.MADV_SEQUENTIAL in spy.given
+
+
+def test_mapping_advice_the_os_refuses_changes_nothing_read(zoo_file, monkeypatch):
+    """A kernel without transparent huge pages answers EINVAL: the other advice is still given, and the digests
+    are the same as with every piece of advice taken."""
+    import mmap
+
+    hugepage = getattr(mmap, "MADV_HUGEPAGE", -1)
+    spy = _AdviceSpy(refuse=(hugepage,))
+    st._advise(spy)  # does not raise
+    assert spy.given[-1] == getattr(mmap, "MADV_SEQUENTIAL", spy.given[-1])
+    st._advise(object())  # an mmap without madvise (older Pythons, other systems): nothing to do
+    want = _digests(from_safetensors(zoo_file, progress=False))
+    real = st._advise
+
+    def refusing(mm):  # type: ignore[no-untyped-def]
+        real(_AdviceSpy(refuse=(hugepage,)))  # what a refusing kernel leaves: no advice on the real map
+
+    monkeypatch.setattr(st, "_advise", refusing)
+    assert _digests(from_safetensors(zoo_file, progress=False)) == want
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs Linux's /proc/self/smaps to see a mapping's flags")
+def test_the_reader_s_mapping_carries_the_advice(zoo_file, monkeypatch):
+    """On Linux the live mapping shows the advice in its ``VmFlags``: ``sr`` (read sequentially) always, ``hg``
+    (2 MiB folios) where the kernel has transparent huge pages."""
+    seen: list[set[str]] = []
+    real = st._mapped
+
+    @contextlib.contextmanager
+    def watching(f):  # type: ignore[no-untyped-def]
+        with real(f) as data:
+            if data is not None:
+                seen.append(_vm_flags(data.ctypes.data))
+            yield data
+
+    monkeypatch.setattr(st, "_mapped", watching)
+    from_safetensors(zoo_file, progress=False)
+    assert seen and "sr" in seen[0], seen
+    if Path("/sys/kernel/mm/transparent_hugepage/enabled").exists():
+        assert "hg" in seen[0], seen
+
+
+def _vm_flags(address: int) -> set[str]:
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()
+        if head and "-" in head[0] and not head[0].endswith(":"):
+            lo, hi = (int(x, 16) for x in head[0].split("-"))
+            inside = lo <= address < hi
+        elif inside and head[:1] == ["VmFlags:"]:
+            return set(head[1:])
+    return set()
 
 
 def test_every_value_bit_matters(tmp_path):

@@ -172,7 +172,9 @@ def _coerce(df: pd.DataFrame, source: str) -> pd.DataFrame:
                 if str(s.dtype) != _STR:  # already the schema's NA-backed type (validated before): nothing to cast
                     typed = pd.api.types.is_string_dtype(s.dtype) and s.dtype != object
                     s = s.astype(_STR) if typed else s.astype("object").where(s.notna(), None).astype(_STR)
-                s = s.mask(s == "")
+                empty = s == ""
+                if bool(empty.any()):  # an empty name or digest is a missing one (a row with none is refused below)
+                    s = s.mask(empty)
             elif str(s.dtype) != dtype:
                 s = pd.to_numeric(s, errors="raise").astype(dtype)
         except OverflowError:
