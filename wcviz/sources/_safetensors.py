@@ -222,11 +222,12 @@ def _entries(path: Path) -> list[TensorEntry]:
 
 
 def _advise(mm: Any) -> None:
-    """Ask the OS to read the mapped file ahead (no pre-faulting: a checkpoint larger than memory streams) and, where
-    the page cache can hold a file in 2 MiB folios (Linux 6.x on ext4/xfs, ...), to read it in those: the pages this
-    reader brings in are then mapped 2 MiB at a time, by it and by every later reader, instead of 64 KiB per page
-    fault in 4 KiB pages (the kernel's rows walk the file in an order that makes readahead pick small folios).
-    Advice the OS does not take is ignored: it changes speed, never what is read."""
+    """Ask the OS to read the mapped file ahead (no pre-faulting: a checkpoint larger than memory streams)
+    and, where the page cache can hold a file in 2 MiB folios (recent Linux on xfs, ext4 and others), to
+    read it in those: the pages this reader brings in are then mapped 2 MiB at a time, by it and by every
+    later reader, instead of one page fault per 64 KiB in 4 KiB pages (the kernel's rows walk the file in
+    an order that makes readahead pick small folios). Advice the OS does not take is ignored: it changes
+    speed, never what is read."""
     import mmap
 
     for name in ("MADV_HUGEPAGE", "MADV_SEQUENTIAL"):
