@@ -128,10 +128,13 @@ def main() -> None:
 
 
 def _alternating(runs, repeat: int) -> dict[str, float]:  # type: ignore[no-untyped-def]
-    """Best seconds of each of ``runs``, one run of each per round (a slow minute of the host hits all of them)."""
+    """Best seconds of each of ``runs``, one timed run of each per round (a slow minute of the host hits all of
+    them), each after an untimed run of the same: on this project's VMs the first run after another kind of
+    work is the slower one, whatever it is, which would favour whichever comes second."""
     best = {k: float("inf") for k in runs}
     for _ in range(repeat):
         for k, fn in runs.items():
+            fn()
             t0 = time.perf_counter()
             fn()
             best[k] = min(best[k], time.perf_counter() - t0)

@@ -46,6 +46,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pandas as pd
 
 from wcviz._errors import TableError
@@ -160,33 +161,54 @@ def make_frame(rows: Iterable[Mapping[str, Any]]) -> pd.DataFrame:
 
 
 def _coerce(df: pd.DataFrame, source: str) -> pd.DataFrame:
-    """Cast to the schema's dtypes and column order, or raise naming the column."""
-    out = {}
+    """Cast to the schema's dtypes and column order, or raise naming the column.
+
+    Works on each column's array, not on Series (a small table's cost is the per-operation
+    overhead); a column already of its dtype is copied, never shared with ``df``."""
+    n = len(df)
+    out: dict[str, Any] = {}
     for col, dtype in COLUMNS.items():
         if col not in df:
-            out[col] = pd.Series(pd.NA if dtype != "float64" else float("nan"), index=df.index, dtype=dtype)
+            out[col] = _all_missing(dtype, n)
             continue
         s = df[col]
         try:
+            if str(s.dtype) == dtype:
+                arr = s.array.copy()
+            elif dtype == _STR:
+                arr = _as_strings(s)
+            else:
+                arr = pd.to_numeric(s, errors="raise").astype(dtype).array
             if dtype == _STR:
-                if str(s.dtype) != _STR:  # already the schema's NA-backed type (validated before): nothing to cast
-                    typed = pd.api.types.is_string_dtype(s.dtype) and s.dtype != object
-                    s = s.astype(_STR) if typed else s.astype("object").where(s.notna(), None).astype(_STR)
-                empty = s == ""
+                empty = arr == ""
                 if bool(empty.any()):  # an empty name or digest is a missing one (a row with none is refused below)
-                    s = s.mask(empty)
-            elif str(s.dtype) != dtype:
-                s = pd.to_numeric(s, errors="raise").astype(dtype)
+                    arr = pd.Series(arr).mask(pd.Series(empty)).array
         except OverflowError:
             raise TableError(f"{source}: column {col!r} holds a number that does not fit in int64") from None
         except (TypeError, ValueError) as e:
             raise TableError(f"{source}: column {col!r} cannot be read as {dtype}: {e}") from None
-        out[col] = s
-    extra = [c for c in df.columns if c not in COLUMNS]
-    frame = pd.DataFrame(out, index=df.index)
-    for c in extra:  # extra columns ride along untouched (a user's annotations)
-        frame[c] = df[c]
-    return frame.reset_index(drop=True)
+        out[col] = arr
+    for c in df.columns:  # extra columns ride along untouched (a user's annotations)
+        if c not in COLUMNS:
+            out[c] = df[c].array.copy()
+    return pd.DataFrame(out, copy=False)  # every array is new: positional, nothing shared with df
+
+
+def _as_strings(s: pd.Series) -> Any:
+    """A column of another dtype as the schema's string array: NaN and None become NA, other values their ``str``."""
+    typed = pd.api.types.is_string_dtype(s.dtype) and s.dtype != object
+    if not typed and s.dtype == object and pd.api.types.infer_dtype(s, skipna=False) == "string":
+        typed = True  # only str values and no missing ones (one pass in C): the plain cast is the same
+    return (s.astype(_STR) if typed else s.astype("object").where(s.notna(), None).astype(_STR)).array
+
+
+def _all_missing(dtype: str, n: int) -> Any:
+    """A column of ``n`` missing values of the schema's ``dtype`` (NA; NaN for floats), built without a Python loop."""
+    if dtype == "Int64":
+        return pd.arrays.IntegerArray(np.zeros(n, dtype=np.int64), np.ones(n, dtype=bool))
+    if dtype == "float64":
+        return np.full(n, np.nan)
+    return pd.array([None] * n, dtype=dtype)
 
 
 _SCALAR_KINDS = {"string", "empty", "integer", "floating", "mixed-integer-float", "boolean", "decimal"}
@@ -216,16 +238,22 @@ def validate(df: pd.DataFrame, source: str = "table") -> pd.DataFrame:
     parsed = {"layer": parse_layer, "block": parse_block, "expert": parse_expert}
     absent = [c for c in parsed if c not in df.columns]
     if absent:  # a table from elsewhere: derive them from the names, as make_frame does (each distinct name parsed once)
-        names = df["name"].astype("object")
-        distinct = [n for n in names.unique() if not pd.isna(n)]
-        df = df.assign(**{c: names.map({n: parsed[c](str(n)) for n in distinct}) for c in absent})
+        column = df["name"].astype("object")
+        names, missing = column.tolist(), column.isna().tolist()
+        distinct = {n for n, na in zip(names, missing) if not na}
+        derived = {}
+        for c in absent:
+            found = {n: parsed[c](str(n)) for n in distinct}
+            derived[c] = pd.array([None if na else found[n] for n, na in zip(names, missing)], dtype=COLUMNS[c])
+        df = df.assign(**derived)
     frame = _coerce(df, source)
     for col in REQUIRED:
-        if frame[col].isna().any():
-            first = int(frame.index[frame[col].isna()][0])
-            raise TableError(f"{source}: column {col!r} is empty in row {first}")
-    bad = frame.loc[frame["block"].notna() & ~frame["block"].isin(BLOCKS), "block"]
-    if len(bad):
+        na = np.asarray(frame[col].array.isna())
+        if na.any():
+            raise TableError(f"{source}: column {col!r} is empty in row {int(np.flatnonzero(na)[0])}")
+    blocks = frame["block"].array
+    if any(not pd.isna(b) and b not in BLOCKS for b in blocks.unique()):  # the few distinct values, not every row
+        bad = frame.loc[frame["block"].notna() & ~frame["block"].isin(BLOCKS), "block"]
         raise TableError(f"{source}: column 'block' has {bad.iloc[0]!r}; expected one of {', '.join(BLOCKS)}")
     frame["digest"] = _checked_digests(frame, source)
     return frame
