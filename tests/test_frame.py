@@ -98,6 +98,30 @@ def test_empty_strings_are_stored_as_na():
     assert df["host"].isna().all()
 
 
+def test_validated_frame_shares_nothing_with_its_input():
+    """``validate`` copies the columns it does not cast: writing into its result never changes the caller's frame."""
+    given = pd.DataFrame(
+        {
+            "name": pd.array(["model.layers.0.mlp.w", "model.layers.1.mlp.w"], dtype="string"),
+            "digest": pd.array(["00" * 16, "11" * 16], dtype="string"),
+            "algo": pd.array(["nemo-rl-v3"] * 2, dtype="string"),
+            "rank": pd.array([3, 4], dtype="Int64"),
+            "seconds": [0.5, 0.25],
+            "note": ["a", "b"],  # an extra column rides along
+        },
+        index=[7, 9],
+    )
+    kept = given.copy(deep=True)
+    out = validate(given)
+    assert list(out.index) == [0, 1] and list(out.columns) == [*COLUMNS, "note"]
+    assert out["layer"].tolist() == [0, 1] and out["block"].tolist() == ["mlp", "mlp"]
+    out.loc[0, "rank"] = 99
+    out.loc[0, "seconds"] = 9.0
+    out.loc[0, "note"] = "changed"
+    out.loc[0, "digest"] = "22" * 16
+    pd.testing.assert_frame_equal(given, kept)
+
+
 def test_make_frame_rejects_unknown_columns_naming_them():
     with pytest.raises(TableError, match="colour"):
         make_frame([{"name": "w", "digest": "00" * 32, "algo": "sha256", "colour": "red"}])
