@@ -230,9 +230,11 @@ def _advise(mm: Any) -> None:
     speed, never what is read."""
     import mmap
 
+    if not hasattr(mm, "madvise"):  # (Python builds without it)
+        return
     for name in ("MADV_HUGEPAGE", "MADV_SEQUENTIAL"):
         advice = getattr(mmap, name, None)
-        if advice is None or not hasattr(mm, "madvise"):
+        if advice is None:
             continue
         try:
             mm.madvise(advice)
