@@ -47,6 +47,7 @@ browser:
 bench: $(STAMP)
 	$(BIN)/python benchmarks/cpu_digest.py --repeat 5
 	$(BIN)/python benchmarks/mix_cost.py
+	$(BIN)/python benchmarks/ports.py
 	$(BIN)/python benchmarks/fold_parts.py
 	$(BIN)/python benchmarks/refit.py --repeat 3
 	$(BIN)/python benchmarks/fanout.py --repeat 3

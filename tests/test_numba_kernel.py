@@ -162,6 +162,33 @@ def test_many_edge_inputs() -> None:
         _numba.lanes_digest_many(np.zeros(4, np.uint64), np.array([0, 1]), np.array([1]), np.zeros((2, 2), np.uint64))
 
 
+def test_digest_at_spreads_the_groups_of_every_tensor_bit_identically(cases) -> None:  # type: ignore[no-untyped-def]
+    """One ``lanes_digest_at`` call over tensors of every boundary size (several chunks, one group, scalar-only),
+    read in place, beside ones it must copy (an odd tail, an unaligned start, both): each equals the reference,
+    in the order given, with one thread and with two."""
+    raw = np.random.default_rng(7).integers(0, 256, 8 * (G * B + 9) + 3, dtype=np.uint8)
+    copied = [(raw[:1001], 1001), (raw[1 : 1 + 8 * (G * B + 1)], 8 * (G * B + 1)), (raw[3 : 3 + 8 * 40 + 5], 8 * 40 + 5)]
+    picked = list(cases)[::-1] + [cases[4], cases[-1]]  # every size, two of them again
+    arrays = [c[0] for c in picked] + [r for r, _ in copied]
+    nbytes = [c[0].nbytes for c in picked] + [n for _, n in copied]
+    seeds = [c[1] for c in picked] + [_seed(90 + i) for i in range(len(copied))]
+    wants = [c[2] for c in picked]
+    for (r, n), seed in zip(copied, seeds[len(picked) :]):
+        padded = np.zeros((n + 7) // 8 * 8, dtype=np.uint8)
+        padded[:n] = r[:n]
+        wants.append(_reference(padded.view(np.uint64), seed))
+    assert any(a.ctypes.data % 8 for a in arrays) and any(n % 8 for n in nbytes)
+    before = numba.get_num_threads()
+    try:
+        for threads in (1, min(2, numba.config.NUMBA_NUM_THREADS)):
+            _numba.set_threads(threads)
+            out = _numba.lanes_digest_at(np.array([a.ctypes.data for a in arrays], dtype=np.uint64), np.array(nbytes),
+                                         np.array(seeds, dtype=np.uint64), arrays)
+            assert [(int(a), int(b)) for a, b in out] == wants, f"{threads} thread(s)"
+    finally:
+        _numba.set_threads(before)
+
+
 def test_public_path_small_tensors_match_torch() -> None:
     for shape, dtype in (((4096,), torch.bfloat16), ((1024,), torch.bfloat16), ((3,), torch.bfloat16), ((0,), torch.float32), ((33, 7), torch.float32)):
         t = torch.randn(shape).to(dtype)
@@ -317,6 +344,11 @@ for i, n in enumerate(sizes):
     seed = (2 * i + 1, 7 * i)
     words = [list(map(int, _numba.lanes_digest(lanes, seed))), list(map(int, _numba._digest_serial(lanes, np.uint64(seed[0]), np.uint64(seed[1]))))]
     out.append([n, seed, words])
+arrays = [np.random.default_rng(i).integers(0, 2**64 - 1, n, dtype=np.uint64, endpoint=True) for i, n in enumerate(sizes)]
+at = _numba.lanes_digest_at(np.array([a.ctypes.data for a in arrays], dtype=np.uint64), np.array([a.nbytes for a in arrays]),
+                            np.array([c[1] for c in out], dtype=np.uint64), arrays)
+for case, row in zip(out, at):
+    case[2].append([int(row[0]), int(row[1])])
 print(json.dumps({"group": G, "cache": _numba._CACHE, "cases": out}))
 """
 
@@ -339,7 +371,7 @@ def test_every_block_layout_gives_the_reference_digest(tmp_path) -> None:  # typ
     for i, (n, seed, words) in enumerate(answer["cases"]):
         lanes = np.random.default_rng(i).integers(0, 2**64 - 1, n, dtype=np.uint64, endpoint=True)
         want = list(_reference(lanes, tuple(seed)))
-        assert words == [want, want], f"GROUP={other}, {n} lanes"
+        assert words == [want, want, want], f"GROUP={other}, {n} lanes"  # alone, serial, and in one batch of all
 
 
 @pytest.mark.parametrize("bad", ["5", "sixteen", "-4"])

@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from wcviz._errors import DigestError
 from wcviz.digest import _api, _buffers, _pool, digest_buffers, digest_hex, digest_many, set_digest_threads
 from wcviz.sources import _safetensors as st
 from wcviz.sources import from_safetensors, from_state_dict
@@ -172,3 +173,76 @@ def test_digest_buffers_in_order_with_seconds() -> None:
     out = digest_buffers(((r, "uint8", (r.shape[0],), f"t{i}") for i, r in enumerate(raws)), algo="vllm-sha256")
     assert [str(d) for d, _ in out] == [hashlib.sha256(r.tobytes()).hexdigest() for r in raws]
     assert all(s >= 0 for _, s in out)
+
+
+def test_digest_buffers_batches_the_numba_kernel_by_window(monkeypatch: pytest.MonkeyPatch) -> None:
+    """nemo-rl-v3 on numba: one kernel call per window of bytes, digests equal digest_buffer's one by one, every
+    buffer reported done in order after its window's call, seconds shared by bytes within a window, and no
+    buffer pulled before the window it belongs to is due."""
+    from wcviz.digest import _numba, digest_buffer
+
+    rng = np.random.default_rng(3)
+    raws = [rng.integers(0, 256, n, dtype=np.uint8) for n in (300_000, 7, 0, 100_001, 2_000_000, 64, 90_000)]
+    raws.append(np.concatenate([rng.integers(0, 256, 4096, dtype=np.uint8), np.zeros(5, np.uint8)])[:4097])  # longer than nbytes
+    specs = [("bfloat16", (n // 2,)) if n % 2 == 0 else ("uint8", (n,)) for n in (r.shape[0] for r in raws)]
+    specs[-1] = ("uint8", (4096,))
+    want = [digest_buffer(r, d, s) for r, (d, s) in zip(raws, specs)]
+    monkeypatch.setattr(_buffers, "WINDOW_BYTES", 400_000)  # windows: [0, 1, 2, 3], [4], [5, 6, 7]
+    calls: list[int] = []
+    real = _numba.lanes_digest_at
+    monkeypatch.setattr(_numba, "lanes_digest_at", lambda a, n, s, keep: calls.append(len(a)) or real(a, n, s, keep))
+    pulled: list[int] = []
+    done: list[tuple[int, int]] = []  # (nbytes, buffers pulled by then)
+
+    def buffers():  # type: ignore[no-untyped-def]
+        for i, (r, (d, s)) in enumerate(zip(raws, specs)):
+            pulled.append(i)
+            yield r, d, s, f"t{i}"
+
+    out = digest_buffers(buffers(), backend="numba", done=lambda n: done.append((n, len(pulled))))
+    assert [d for d, _ in out] == want and all(d.algo == "nemo-rl-v3" for d, _ in out)
+    assert calls == [4, 1, 3]
+    sizes = [r.shape[0] if i < 7 else 4096 for i, r in enumerate(raws)]
+    assert [n for n, _ in done] == sizes
+    assert [p for _, p in done] == [4, 4, 4, 4, 5, 8, 8, 8]  # reported after its own window, before the next is read
+    rates = [s / n for (_, s), n in zip(out, sizes) if n]
+    assert all(s >= 0 for _, s in out) and rates[0] == pytest.approx(rates[1]) == pytest.approx(rates[2])
+
+
+def test_digest_buffers_names_a_short_buffer_before_its_window_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    from wcviz.digest import _numba
+
+    calls: list[int] = []
+    monkeypatch.setattr(_numba, "lanes_digest_at", lambda *a: calls.append(1))
+    good = np.zeros(64, dtype=np.uint8)
+    with pytest.raises(DigestError, match=r"tensor 'short'.*expected at least 8 bytes"):
+        digest_buffers([(good, "uint8", (64,), "ok"), (good[:4], "float32", (2,), "short")], backend="numba")
+    assert calls == []
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, "512", True])
+def test_digest_buffers_refuses_a_bad_window(bad: object) -> None:
+    with pytest.raises(ValueError, match=r"window_bytes must be a whole number of bytes >= 0, got"):
+        digest_buffers([(np.zeros(8, np.uint8), "uint8", (8,), "t")], backend="numba", window_bytes=bad)  # type: ignore[arg-type]
+
+
+def test_an_unmappable_checkpoint_is_digested_one_read_tensor_at_a_time(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Where the file cannot be mapped, each tensor is a copy: each is digested (reported done) before the next is read."""
+    import contextlib
+
+    sd = {f"layers.{i}.weight": torch.randn(3000 + i) for i in range(5)}
+    save_file(sd, str(tmp_path / "m.safetensors"))
+    want = from_safetensors(tmp_path, progress=False).set_index("name")["digest"]
+
+    @contextlib.contextmanager
+    def unmappable(f):  # type: ignore[no-untyped-def]
+        yield None
+
+    events: list[str] = []
+    real_read, real_digest = st._read, st.digest_buffers
+    monkeypatch.setattr(st, "_mapped", unmappable)
+    monkeypatch.setattr(st, "_read", lambda f, e: events.append("read") or real_read(f, e))
+    monkeypatch.setattr(st, "digest_buffers", lambda b, **k: real_digest(b, **{**k, "done": lambda n: events.append("done")}))
+    got = from_safetensors(tmp_path, progress=False).set_index("name")["digest"]
+    assert got.equals(want)
+    assert events == ["read", "done"] * 5

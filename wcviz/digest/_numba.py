@@ -34,7 +34,10 @@ of a leaf share its shift (+2 points).
 - ``lanes_digest`` spreads the groups of all chunks of one tensor over the
   threads; only the chain across chunks is sequential (one fold of block roots
   and a mix per chunk). ``lanes_digest_many`` spreads whole tensors over the
-  threads and digests each one serially with the same code.
+  threads and digests each one serially with the same code. ``lanes_digest_at``
+  (tensors read where they live) spreads the groups of all its tensors over the
+  threads in one pass, then chains each tensor's chunks in a second: one call
+  for a checkpoint's worth of tensors, large or small.
 - ``floor_rate`` measures the compute floor the kernel is judged against: one
   mix per lane of an in-cache array, the same vector arithmetic.
 
@@ -359,8 +362,48 @@ def _digest_one_at(address, n, s1, s2):  # type: ignore[no-untyped-def]
 
 @njit(parallel=True, nogil=True, cache=_CACHE)
 def _digest_at(addresses, nbytes, seeds, out):  # type: ignore[no-untyped-def]
-    for i in prange(addresses.shape[0]):
+    """Large tensors read in place (``_SERIAL_BELOW`` lanes or more, as ``lanes_digest`` draws the line):
+    the groups of all of them spread over the threads in one pass, as if one tensor (no thread start and
+    no idle tail per tensor), then each one's chain of chunks. The rest (small, or to be copied: an odd
+    tail, an unaligned start) one tensor per thread at a time, each serially. Each pass captures few
+    arrays: with chunks of one iteration, every captured array costs each chunk its reference counting."""
+    n = addresses.shape[0]
+    large = np.zeros(n, dtype=np.bool_)
+    for i in range(n):
+        large[i] = nbytes[i] % 8 == 0 and addresses[i] % 8 == 0 and nbytes[i] // 8 >= _SERIAL_BELOW
+    big = np.flatnonzero(large)
+    if big.shape[0] == 0:  # only small tensors (the common batch): no index to go through
+        for i in prange(n):
+            out[i, 0], out[i, 1] = _digest_one_at(addresses[i], nbytes[i], seeds[i, 0], seeds[i, 1])
+        return
+    rest = np.flatnonzero(~large)
+    for k in prange(rest.shape[0]):
+        i = rest[k]
         out[i, 0], out[i, 1] = _digest_one_at(addresses[i], nbytes[i], seeds[i, 0], seeds[i, 1])
+    m = big.shape[0]
+    plans = np.zeros((m, 4), dtype=np.int64)  # full chunks, lanes in the last, its block size, its groups
+    first = np.zeros(m + 1, dtype=np.int64)  # large tensor j's groups are [first[j], first[j + 1]) of all
+    for j in range(m):
+        full, last, b_last, groups, total = _plan(nbytes[big[j]] // 8)
+        plans[j, 0], plans[j, 1], plans[j, 2], plans[j, 3] = full, last, b_last, groups
+        first[j + 1] = first[j] + total
+    owner = np.empty(first[m], dtype=np.int64)
+    for j in range(m):
+        owner[first[j] : first[j + 1]] = j
+    r1 = np.empty(first[m] * GROUP, dtype=np.uint64)
+    r2 = np.empty(first[m] * GROUP, dtype=np.uint64)
+    for g in prange(first[m]):
+        j = owner[g]
+        lanes = numba.carray(_void_ptr(addresses[big[j]]), (nbytes[big[j]] // 8,), np.uint64)
+        s = np.empty((BLOCK if plans[j, 0] else plans[j, 2]) // 4 * _W, dtype=np.uint64)  # as _digest_serial's
+        lo, hi = first[j] * GROUP, first[j + 1] * GROUP
+        _group(lanes, g - first[j], plans[j, 0], plans[j, 2], s, r1[lo:hi], r2[lo:hi])
+    for j in prange(m):
+        i = big[j]
+        lanes = numba.carray(_void_ptr(addresses[i]), (nbytes[i] // 8,), np.uint64)
+        lo, hi = first[j] * GROUP, first[j + 1] * GROUP
+        full, last, groups = plans[j, 0], plans[j, 1], plans[j, 3]
+        out[i, 0], out[i, 1] = _chain(lanes, seeds[i, 0], seeds[i, 1], full, last, groups, r1[lo:hi], r2[lo:hi])
 
 
 # ---------------------------------------------------------------- compute floor
@@ -441,9 +484,11 @@ def lanes_digest_at(addresses: np.ndarray, nbytes: np.ndarray, seeds: np.ndarray
 
     Tensor ``i`` is the ``nbytes[i]`` bytes at host address ``addresses[i]``: memory
     that ``keep_alive`` (the tensors) holds for the duration of the call, contiguous
-    (the caller checks). Whole aligned lanes are read in place; an odd tail or an
-    unaligned start is copied into zero-padded lanes inside the kernel. Tensors are
-    spread over the threads as in :func:`lanes_digest_many`.
+    (the caller checks). Whole aligned lanes are read in place; the groups of every
+    large tensor are spread over the threads together (each split as by
+    :func:`lanes_digest`, with no thread start per tensor); a small one is digested
+    serially by one thread, as in :func:`lanes_digest_many`, and so is one with an
+    odd tail or an unaligned start, copied into zero-padded lanes inside the kernel.
     """
     addresses = np.ascontiguousarray(addresses, dtype=np.uint64).reshape(-1)
     nbytes = np.ascontiguousarray(nbytes, dtype=np.int64).reshape(-1)

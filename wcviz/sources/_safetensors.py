@@ -303,9 +303,11 @@ def safetensors_rows(
 
     For callers that only print or send the digests (``wcviz digest`` starts faster so).
     Every header is checked before a tensor is read; rows come back only when every tensor
-    was digested. The SHA-256 algorithms digest several tensors side by side
-    (:func:`wcviz.digest.digest_buffers`); a file that cannot be memory-mapped is read into
-    one buffer per tensor in flight.
+    was digested. Tensors are digested by :func:`wcviz.digest.digest_buffers`: for
+    nemo-rl-v3 on numba, the views of 512 MiB of the mapped file at a time in one
+    kernel call (their seconds shared by bytes); the SHA-256 algorithms several tensors
+    side by side. A file that cannot be memory-mapped is read into one buffer per tensor
+    in flight.
     """
     from tqdm.auto import tqdm
 
@@ -319,7 +321,9 @@ def safetensors_rows(
             tensors = list(group)
             with open(file, "rb") as f, _mapped(f) as data:
                 buffers = ((_view(f, data, e) if data is not None else _read(f, e), e.dtype, e.shape, e.name) for e in tensors)
-                timed = digest_buffers(buffers, algo=algo, backend=backend, done=bar.update)  # SHA-256: tensors side by side
+                timed = digest_buffers(  # nemo-rl-v3: a batch of views per kernel call; SHA-256: tensors side by side
+                    buffers, algo=algo, backend=backend, done=bar.update, window_bytes=None if data is not None else 0
+                )
                 for e, (d, seconds) in zip(tensors, timed):
                     rows.append(
                         {
