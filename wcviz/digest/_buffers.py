@@ -96,12 +96,12 @@ def digest_buffers(
     the first buffer that brings it to ``window_bytes`` (default :data:`WINDOW_BYTES`;
     0: every buffer alone), and one kernel call spreads the work of all its buffers
     over the threads (no thread start-up and no idle tail per buffer); the batch's
-    seconds are shared out by bytes. The
-    SHA-256 algorithms (one stream per buffer) run several buffers side by side, on as
-    many threads as the numba kernel may use, each timed on its own; the rest run one
-    buffer at a time. ``buffers`` is read lazily: a batch's buffers, or as many as there
-    are threads, are held at once (pass a small ``window_bytes`` when each buffer is a
-    copy). ``done(nbytes)`` is called as each finishes.
+    seconds are shared out by bytes. The SHA-256 algorithms (one stream per buffer) run
+    several buffers side by side, on as many threads as the numba kernel may use, each
+    timed on its own; the rest run one buffer at a time. ``buffers`` is read lazily: a
+    batch's buffers, or as many as there are threads, are held at once (pass a small
+    ``window_bytes`` when each buffer is a copy). ``done(nbytes)`` is called as each
+    finishes.
     """
     if window_bytes is not None and (isinstance(window_bytes, bool) or not isinstance(window_bytes, int) or window_bytes < 0):
         raise ValueError(f"window_bytes must be a whole number of bytes >= 0, got {window_bytes!r}")

@@ -35,9 +35,9 @@ of a leaf share its shift (+2 points).
   threads; only the chain across chunks is sequential (one fold of block roots
   and a mix per chunk). ``lanes_digest_many`` spreads whole tensors over the
   threads and digests each one serially with the same code. ``lanes_digest_at``
-  (tensors read where they live) spreads the groups of all its tensors over the
-  threads in one pass, then chains each tensor's chunks in a second: one call
-  for a checkpoint's worth of tensors, large or small.
+  (tensors read where they live) does the same for its small tensors and spreads
+  the groups of all its large ones over the threads in one pass, then chains each
+  one's chunks: one call for a checkpoint's worth of tensors, large or small.
 - ``floor_rate`` measures the compute floor the kernel is judged against: one
   mix per lane of an in-cache array, the same vector arithmetic.
 
