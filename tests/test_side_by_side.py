@@ -207,6 +207,12 @@ def test_digest_buffers_batches_the_numba_kernel_by_window(monkeypatch: pytest.M
     assert [p for _, p in done] == [4, 4, 4, 4, 5, 8, 8, 8]  # reported after its own window, before the next is read
     rates = [s / n for (_, s), n in zip(out, sizes) if n]
     assert all(s >= 0 for _, s in out) and rates[0] == pytest.approx(rates[1]) == pytest.approx(rates[2])
+    calls.clear()
+    monkeypatch.setattr(_buffers, "_MOST_HELD", 3)  # a batch also ends at a number of buffers, whatever their bytes
+    again = digest_buffers(buffers(), backend="numba", window_bytes=10**9)
+    assert [d for d, _ in again] == want and calls == [3, 3, 2]
+    calls.clear()
+    assert [d for d, _ in digest_buffers(buffers(), backend="numba", window_bytes=0)] == want and calls == [1] * 8
 
 
 def test_digest_buffers_names_a_short_buffer_before_its_window_runs(monkeypatch: pytest.MonkeyPatch) -> None:
