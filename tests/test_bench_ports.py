@@ -1,5 +1,6 @@
 """benchmarks/ports.py runs: on an AVX-512 host with a C compiler it prints every loop's time and the floor's
-µops per cycle; elsewhere it says what it needs and exits cleanly (it is a benchmark: no timing is asserted)."""
+µops per cycle; elsewhere it says what it needs and exits cleanly, and the test is skipped with that message (it is a benchmark:
+no timing is asserted)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "ports.py"
 
@@ -16,7 +19,7 @@ def test_ports_benchmark_runs_and_reports_every_loop() -> None:
     assert done.returncode == 0, done.stderr[-2000:]
     out = done.stdout
     if out.startswith("needs "):
-        return
+        pytest.skip(out.strip())  # the script said what this machine lacks (AVX-512DQ or a C compiler)
     rows = dict(re.findall(r"^\| (\w+) \| .* \| ([0-9.]+) \|$", out, flags=re.M))
     assert {"shift", "xor", "ternlog", "add", "mul", "perm", "unpack", "shuf128", "shift_perm", "mul_xor"} <= set(rows)
     assert all(float(v) > 0 for v in rows.values())

@@ -272,7 +272,8 @@ def _view(f: Any, data: np.ndarray, e: TensorEntry) -> np.ndarray:
     before any byte past its end is touched (reading a mapped page that no longer exists would kill the process).
 
     As with any memory-mapped reader (the safetensors library maps files too), a file
-    truncated in the instant between this check and the kernel's read is not caught.
+    truncated between this check and the kernel's read is not caught: for nemo-rl-v3
+    that is at most one batch of views (``digest_buffers``' window, 512 MiB) later.
     """
     end = e.start + e.nbytes
     size = os.fstat(f.fileno()).st_size
