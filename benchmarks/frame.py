@@ -12,8 +12,9 @@ alternation, e.g. ``PYTHONPATH=/path/to/other/checkout python benchmarks/frame.p
 (BENCHMARKS.md, "Hardening").
 
 ``--after`` also times ``make_frame`` of the checkpoint rows where a reader builds it: right
-after the numba kernel has read 2 GiB (the caches then hold none of pandas), and after a
-0.3 s sleep, against back to back (best of ``--repeat`` single calls each).
+after the numba kernel has read 2 GiB (the caches then hold none of pandas), after a 0.3 s
+sleep and after 0.3 s of a busy Python loop, against back to back (best of ``--repeat``
+single calls each, with the most minor page faults one call took).
 """
 
 from __future__ import annotations
@@ -77,11 +78,11 @@ def main() -> None:
 
 
 def _after(build: Callable[[], Any], n: int, repeat: int) -> None:
+    import resource
+
     import numpy as np
 
     from wcviz.digest._numba import lanes_digest
-
-    import resource
 
     def spin(seconds: float) -> None:
         end = time.perf_counter() + seconds
