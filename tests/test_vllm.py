@@ -101,12 +101,25 @@ def dispatch(ws: list[Any], method: str, args: tuple[Any, ...], kwargs: dict[str
 # --------------------------------------------------------------------------- a vLLM-shaped server
 
 
-def collective_rpc_app(ws: list[Any], order: Callable[[int, int], list[int]] | None = None) -> Starlette:
+def collective_rpc_app(
+    ws: list[Any], order: Callable[[int, int], list[int]] | None = None, world: tuple[int, int] | None = None
+) -> Starlette:
     """vLLM's dev-mode ``POST /collective_rpc``: ``{"method", "args", "kwargs", "timeout"}`` ->
     ``{"results": [...]}``, each result a dict/list/None as is, anything else ``str()``; a
     worker raising fails the whole call with a 500 (as vLLM's executor does). ``order(call, n)``
-    permutes the results of each call, to show identity never comes from list order."""
+    permutes the results of each call, to show identity never comes from list order.
+
+    Also ``GET /get_world_size?include_dp=true|false`` -> ``{"world_size": N}`` (vLLM 0.33
+    ``entrypoints/rl/online/api_router.py``, dev mode too): ``world`` is the API server's
+    ``(world_size_across_dp, world_size)``, by default one replica of ``len(ws)`` ranks."""
     calls = {"n": 0}
+    across, replica = world if world is not None else (len(ws), len(ws))
+
+    async def world_size(request: Request) -> Response:
+        raw = request.query_params.get("include_dp", "true").lower()  # FastAPI's bool Query
+        if raw not in ("true", "false", "1", "0", "yes", "no", "on", "off"):
+            return JSONResponse({"detail": [{"type": "bool_parsing", "loc": ["query", "include_dp"]}]}, status_code=422)
+        return JSONResponse({"world_size": across if raw in ("true", "1", "yes", "on") else replica})
 
     async def rpc(request: Request) -> Response:
         try:
@@ -126,7 +139,7 @@ def collective_rpc_app(ws: list[Any], order: Callable[[int, int], list[int]] | N
         out = [r if r is None or isinstance(r, (dict, list)) else str(r) for r in (results[i] for i in idx)]
         return JSONResponse({"results": out})
 
-    return Starlette(routes=[Route("/collective_rpc", rpc, methods=["POST"])])
+    return Starlette(routes=[Route("/collective_rpc", rpc, methods=["POST"]), Route("/get_world_size", world_size, methods=["GET"])])
 
 
 @contextmanager
@@ -151,11 +164,17 @@ def reversed_then_rotated(call: int, n: int) -> list[int]:
 
 
 class FakeLLM:
-    """``vllm.LLM.collective_rpc(method, timeout=None, args=(), kwargs=None)`` over SimWorkers."""
+    """``vllm.LLM.collective_rpc(method, timeout=None, args=(), kwargs=None)`` over SimWorkers, and
+    ``get_world_size(include_dp=True)`` (vLLM 0.33 ``entrypoints/llm.py``: ``world_size_across_dp``,
+    or ``world_size`` without DP, of the front end's parallel config)."""
 
-    def __init__(self, ws: list[Any]) -> None:
+    def __init__(self, ws: list[Any], world: tuple[int, int] | None = None) -> None:
         self.ws = ws
+        self.world = world if world is not None else (len(ws), len(ws))
         self.calls: list[tuple[str, float | None, tuple[Any, ...], dict[str, Any]]] = []
+
+    def get_world_size(self, include_dp: bool = True) -> int:
+        return self.world[0] if include_dp else self.world[1]
 
     def collective_rpc(self, method: str, timeout: float | None = None, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> list[Any]:
         self.calls.append((method, timeout, args, dict(kwargs or {})))
@@ -250,22 +269,60 @@ def test_a_worker_collective_rpc_never_reached_is_reported_from_world_size() -> 
 
 
 def test_dense_data_parallel_reports_every_replica_collective_rpc_does_not_reach() -> None:
-    """vLLM 0.33 (v1/engine/core_client.py): /collective_rpc answers with DP engine 0's workers only.
-
-    Two dense replicas of TP 2 x PP 2: engine 0's four workers answer (data_parallel_index 0)
-    and say the world across DP is 8 ranks of 2 replicas; the result must not be complete,
-    and replica 1's ranks 4..7 are named with dp=1 and the reason.
+    """vLLM 0.33: /collective_rpc answers with DP engine 0's workers only (v1/engine/core_client.py,
+    ``call_utility_async``), and a dense replica's workers do not know the others exist: ``v1/engine/core.py``
+    runs ``reconfigure_for_independent_dp_rank()`` (``config/parallel.py``: ``data_parallel_size = 1``), so
+    their ``world_size_across_dp`` is TP x PP. Only the API server's ``GET /get_world_size`` counts every
+    replica. Two dense replicas of TP 2 x PP 2: the result is not complete, and replica 1's ranks 4..7 are
+    named with dp=1 and the reason, over HTTP and in-process alike.
     """
     ws = workers()
     for w in ws:
-        w.world_size, w.dp_size = 8, 2  # what the extension reads from parallel_config on a real worker
-    with serve(collective_rpc_app(ws)) as url:
+        w.world_size, w.dp_size = 4, 1  # what the extension reads from a reconfigured dense replica's parallel_config
+    with serve(collective_rpc_app(ws, world=(8, 4))) as url:
+        over_http = from_vllm_http(url)
+    for res in (over_http, from_vllm_llm(FakeLLM(ws, world=(8, 4)))):
+        assert res.answered == 4 and not res.complete
+        missing = res.failed.sort_values("rank")
+        assert list(missing["rank"]) == [4, 5, 6, 7] and set(missing["dp"]) == {1}
+        assert set(missing["kind"]) == {"unreachable"}
+        assert all("get_world_size (across data-parallel replicas) is 8" in e for e in missing["error"])
+        assert all("DP engine 0's workers only" in e and "from_vllm_weight_checker" in e for e in missing["error"])
+
+
+def test_moe_data_parallel_workers_count_every_replica_themselves() -> None:
+    """An MoE model under DP keeps its DP config (vLLM 0.33 ``v1/engine/core.py``: ``DPEngineCoreProc``): the
+    workers' own world size already spans the replicas, and the server's count agrees."""
+    ws = workers()
+    for w in ws:
+        w.world_size, w.dp_size = 8, 2
+    with serve(collective_rpc_app(ws, world=(8, 4))) as url:
         res = from_vllm_http(url)
-    assert res.answered == 4 and not res.complete
-    missing = res.failed.sort_values("rank")
-    assert list(missing["rank"]) == [4, 5, 6, 7] and set(missing["dp"]) == {1}
-    assert set(missing["kind"]) == {"unreachable"}
-    assert all("DP engine 0's workers only" in e and "from_vllm_weight_checker" in e for e in missing["error"])
+    assert not res.complete and sorted(res.failed["rank"]) == [4, 5, 6, 7] and set(res.failed["dp"]) == {1}
+    assert all("the workers' world_size is 8" in e for e in res.failed["error"])
+
+
+def test_a_world_size_that_cannot_be_read_is_not_complete() -> None:
+    """Without the front end's count the other DP replicas cannot be counted: never a silent pass."""
+    ws = workers()
+    plain = Starlette(routes=[r for r in collective_rpc_app(ws).routes if getattr(r, "path", "") != "/get_world_size"])
+    with serve(plain) as url:
+        res = from_vllm_http(url)
+    assert res.answered == 4 and not res.complete and len(res.failed) == 1
+    row = res.failed.iloc[0]
+    assert row["url"] == url and row["kind"] == "failed"
+    assert "get_world_size" in row["error"] and "404" in row["error"] and "from_vllm_weight_checker" in row["error"]
+
+    class NoCount(FakeLLM):
+        get_world_size = None  # type: ignore[assignment]
+
+    class BadCount(FakeLLM):
+        def get_world_size(self, include_dp: bool = True) -> int:
+            return 6 if include_dp else 4
+
+    for llm, why in ((NoCount(ws), "has no get_world_size"), (BadCount(ws), "not a multiple of its 4 per replica")):
+        res = from_vllm_llm(llm)
+        assert res.answered == 4 and not res.complete and why in res.failed["error"].iloc[0], res.failed
 
 
 def test_duplicate_rank_claims_fail_both() -> None:
@@ -321,10 +378,13 @@ def test_workers_without_the_extension_get_a_hint() -> None:
 
 
 def test_request_shape_is_vllms() -> None:
-    seen: list[dict[str, Any]] = []
+    seen: list[Any] = []
     ws = workers()
 
     def handler(request: httpx.Request) -> httpx.Response:
+        if request.method == "GET":
+            seen.append(f"GET {request.url.path}?{request.url.query.decode()}")
+            return httpx.Response(200, json={"world_size": 4})
         body = json.loads(request.content)
         seen.append(body)
         return httpx.Response(200, json={"results": dispatch(ws, body["method"], tuple(body["args"]), body["kwargs"])})
@@ -332,7 +392,8 @@ def test_request_shape_is_vllms() -> None:
     res = from_vllm_http("http://engine:8000/", transport=httpx.MockTransport(handler), timeout_s=7, name="norm")
     assert res.complete
     assert seen[0] == {"method": "wcviz_info", "args": [], "kwargs": {}, "timeout": 7}
-    assert seen[1] == {"method": "wcviz_digests", "args": [], "kwargs": {"algo": "nemo-rl-v3", "phase": "current", "name_regex": "norm"}, "timeout": 7}
+    assert seen[1:3] == ["GET /get_world_size?include_dp=true", "GET /get_world_size?include_dp=false"]
+    assert seen[3] == {"method": "wcviz_digests", "args": [], "kwargs": {"algo": "nemo-rl-v3", "phase": "current", "name_regex": "norm"}, "timeout": 7}
 
 
 def test_in_process_llm_gives_the_same_table() -> None:
@@ -391,11 +452,17 @@ def test_coords_explicit_then_vllm_then_attributes(monkeypatch: pytest.MonkeyPat
     assert worker_coords(w) == ({"rank": 3, "dp": 2, "pp": 0, "tp": 1, "ep": None, "world_size": None, "dp_size": None}, "vllm")  # ep: expert parallel only
     w.vllm_config = types.SimpleNamespace(parallel_config=types.SimpleNamespace(enable_expert_parallel=True, data_parallel_rank=2))
     assert worker_coords(w)[0]["ep"] == 5
-    # vLLM 0.33 dense DP (config/parallel.py, v1/worker/gpu_worker.py): data_parallel_rank is 0 on every replica and
-    # the DP group has one member; data_parallel_index tells replicas apart; ranks number across DP.
+    # vLLM 0.33 dense DP (v1/engine/core.py, config/parallel.py reconfigure_for_independent_dp_rank): each replica's
+    # config says data_parallel_rank 0 and data_parallel_size 1 (so world_size_across_dp == world_size); only
+    # data_parallel_index tells replicas apart. Ranks still number across DP; the world is the replica's.
     ps.get_dp_group = lambda: group(0)  # type: ignore[attr-defined]
     w.vllm_config = types.SimpleNamespace(parallel_config=types.SimpleNamespace(
-        data_parallel_rank=0, data_parallel_index=1, data_parallel_size=2, world_size=4, world_size_across_dp=8,
+        data_parallel_rank=0, data_parallel_index=1, data_parallel_size=1, world_size=4, world_size_across_dp=4,
+    ))  # fmt: skip
+    assert worker_coords(w) == ({"rank": 7, "dp": 1, "pp": 0, "tp": 1, "ep": None, "world_size": 4, "dp_size": 1}, "vllm")
+    # An MoE model keeps its DP config (DPEngineCoreProc): data_parallel_rank and the size across DP are real.
+    w.vllm_config = types.SimpleNamespace(parallel_config=types.SimpleNamespace(
+        data_parallel_rank=1, data_parallel_index=1, data_parallel_size=2, world_size=4, world_size_across_dp=8,
     ))  # fmt: skip
     assert worker_coords(w) == ({"rank": 7, "dp": 1, "pp": 0, "tp": 1, "ep": None, "world_size": 8, "dp_size": 2}, "vllm")
 

@@ -103,8 +103,11 @@ def _vllm_coords(worker: Any) -> dict[str, int | None] | None:
     DP as vLLM 0.33 numbers it (``vllm/v1/worker/gpu_worker.py``, ``config/parallel.py``):
     ``parallel_config.data_parallel_index`` - dense replicas all have
     ``data_parallel_rank`` 0 and a DP group of one, only the index tells them apart -
-    and the global rank and world across DP, ``index * world_size + local rank`` of
-    ``world_size_across_dp`` (``parallel_state``'s ``reshape(-1, dp, pp, pcp, tp)``).
+    and the global rank across DP, ``index * world_size + local rank`` (``parallel_state``'s
+    ``reshape(-1, dp, pp, pcp, tp)``), of ``world_size_across_dp``. That world spans the
+    replicas for an MoE model only: a dense replica is reconfigured to stand alone
+    (``v1/engine/core.py``, ``reconfigure_for_independent_dp_rank``: ``data_parallel_size``
+    1), so its workers cannot count the others; the sources ask the front end for that.
     """
     ps = sys.modules.get("vllm.distributed.parallel_state")
     if ps is None:

@@ -9,7 +9,15 @@ The workers run :class:`wcviz.integrations.vllm.WcvizWorkerExtension` (vLLM's
 - :func:`from_vllm_llm` - an in-process ``vllm.LLM`` (``llm.collective_rpc(method,
   timeout=..., args=(...), kwargs={...})`` returns the list of per-worker results).
 
-Both ask ``wcviz_info`` first, then ``wcviz_digests``. Rank identity comes from each
+Both ask ``wcviz_info`` first, then ``wcviz_digests``, and count the ranks the way the
+engine's front end does (``GET /get_world_size?include_dp=true|false``, or
+``llm.get_world_size(include_dp=...)``). That count is what makes a result complete: with
+dense data parallelism each replica's workers are reconfigured as if they were alone
+(vLLM 0.33 ``v1/engine/core.py``: ``reconfigure_for_independent_dp_rank`` sets their
+``data_parallel_size`` to 1), so no worker knows the other replicas exist, and
+``collective_rpc`` answers for DP engine 0 only. Every rank the count names and no
+worker answered for is a row of :attr:`FetchResult.failed`; a count that cannot be read
+is one too (never a silent pass). Rank identity comes from each
 worker's own answer (its info travels with its rows), never from the position in the
 results list. Every worker is accounted for, as in :func:`wcviz.sources.fetch`: its rows
 go to :attr:`FetchResult.frame`, or it gets a row in :attr:`FetchResult.failed` (with
@@ -38,6 +46,7 @@ from wcviz.sources._fleet import Failed, FetchResult, assemble, identity_of, key
 __all__ = ["EngineEndpointError", "from_vllm_http", "from_vllm_llm", "vllm_collective_rpc"]
 
 EXTENSION = "wcviz.integrations.vllm.WcvizWorkerExtension"
+_VERSION = "0.33"  # the vLLM release the shapes here were read from
 _GRACE_S = 5.0  # the HTTP wait beyond the RPC's own timeout, so vLLM's timeout error comes through
 _BACKOFF_S = 0.1
 
@@ -157,8 +166,43 @@ def _hint(method: str, e: BaseException) -> str:
     return f"collective_rpc {method!r} failed for the whole engine: {e if isinstance(e, EngineEndpointError) else one_line(e)}"
 
 
-def _collect(call: Call, where: str, kwargs: dict[str, str], name: str | None) -> FetchResult:
-    """``wcviz_info`` then ``wcviz_digests`` on every worker; see the module doc."""
+def _checked_sizes(across: Any, replica: Any, what: str) -> tuple[int, int] | str:
+    """``(ranks across DP, ranks per replica)`` as the engine's front end counts them, or why they are unusable."""
+    for n in (across, replica):
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            return f"{what} gave {across!r} across data-parallel replicas and {replica!r} per replica, not positive ints"
+    if across % replica:
+        return f"{what} gave {across} ranks across data-parallel replicas, not a multiple of its {replica} per replica"
+    return across, replica
+
+
+def _http_sizes(base: str, http: httpx.Client, timeout_s: float) -> tuple[int, int] | str:
+    """vLLM 0.33's dev-mode ``GET /get_world_size`` (served by the API server, whose config no replica reconfigures)."""
+    from wcviz.sources._vllm_checker import vllm_world_size  # (that module builds on this one)
+
+    try:
+        across = vllm_world_size(base, include_dp=True, client=http, timeout_s=timeout_s)
+        replica = vllm_world_size(base, include_dp=False, client=http, timeout_s=timeout_s)
+    except EngineEndpointError as e:
+        return str(e)
+    return _checked_sizes(across, replica, f"GET {base}/get_world_size")
+
+
+def _llm_sizes(llm: Any) -> tuple[int, int] | str:
+    """``vllm.LLM.get_world_size(include_dp=True|False)`` (vLLM 0.33 ``entrypoints/llm.py``)."""
+    get = getattr(llm, "get_world_size", None)
+    if not callable(get):
+        return f"{type(llm).__name__} has no get_world_size(include_dp=...), which vllm.LLM {_VERSION} has"
+    try:
+        across, replica = get(include_dp=True), get(include_dp=False)
+    except Exception as e:  # noqa: BLE001 - reported as an incomplete result, never raised into the caller's job
+        return f"get_world_size failed: {one_line(e)}"
+    return _checked_sizes(across, replica, "get_world_size")
+
+
+def _collect(call: Call, where: str, kwargs: dict[str, str], name: str | None, count: Callable[[], tuple[int, int] | str]) -> FetchResult:
+    """``wcviz_info`` then ``wcviz_digests`` on every worker; every rank ``count()`` names accounted for (module
+    doc). ``count`` is asked once the workers answered ``wcviz_info``: an engine that is down is one row."""
     try:
         infos = call("wcviz_info", {})
     except EngineEndpointError as e:
@@ -173,6 +217,7 @@ def _collect(call: Call, where: str, kwargs: dict[str, str], name: str | None) -
     if not isinstance(infos, list):
         return assemble([], [{"url": where, "kind": "failed", "error": f"collective_rpc 'wcviz_info' did not give a list: {str(infos)[:200]}"}])
 
+    sizes = count()
     failed: list[dict[str, Any]] = []
     known: list[dict[str, Any]] = []  # the identities wcviz_info gave (duplicates fail later, in assemble)
     for i, info in enumerate(infos):
@@ -189,7 +234,7 @@ def _collect(call: Call, where: str, kwargs: dict[str, str], name: str | None) -
         kind = e.kind if isinstance(e, EngineEndpointError) else "unreachable" if isinstance(e, TimeoutError) else "failed"
         rows = [{"url": target_label(where, ident), "kind": kind, "error": _hint("wcviz_digests", e), **ident} for ident in known]
         rows = rows or [{"url": where, "kind": kind, "error": _hint("wcviz_digests", e)}]
-        return assemble([], failed + rows + _never_reached(where, infos, known))
+        return assemble([], failed + rows + _never_reached(where, infos, known, sizes))
     if not isinstance(results, list):
         results = [results]
 
@@ -219,35 +264,49 @@ def _collect(call: Call, where: str, kwargs: dict[str, str], name: str | None) -
     for ident in known:
         if key_of(ident) not in answered:
             failed.append({"url": target_label(where, ident), "kind": "failed", "error": "gave wcviz_info but no wcviz_digests result", **ident})
-    failed += _never_reached(where, infos, known)
+    failed += _never_reached(where, infos, known, sizes)
     return assemble(collected, failed, filtered=name is not None)
 
 
-def _never_reached(where: str, infos: list[Any], known: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Ranks below the workers' ``world_size`` that no worker claimed: collective_rpc never reached them.
+def _never_reached(where: str, infos: list[Any], known: list[dict[str, Any]], sizes: tuple[int, int] | str) -> list[dict[str, Any]]:
+    """Ranks the engine counts that no worker claimed: collective_rpc never reached them.
 
-    With data parallelism (a worker's info says ``dp_size`` > 1) the usual cause is vLLM
-    itself: its ``collective_rpc`` answers with DP engine 0's workers only, so the
-    other replicas' ranks are named with their ``dp`` and that reason.
+    The count is the larger of the workers' own ``world_size`` and the front end's
+    ``sizes``. With data parallelism the usual cause is vLLM itself: its
+    ``collective_rpc`` answers with DP engine 0's workers only, so the other replicas'
+    ranks are named with their ``dp`` and that reason. ``sizes`` that could not be read
+    make one row of their own: without them, the other replicas cannot be counted.
     """
     good = [i for i in infos if isinstance(i, dict)]
-    sizes = {i["world_size"] for i in good if isinstance(i.get("world_size"), int)}
-    if not sizes:
-        return []
-    world = max(sizes)
+    worlds = {i["world_size"] for i in good if isinstance(i.get("world_size"), int) and not isinstance(i.get("world_size"), bool)}
+    dp_sizes = {i["dp_size"] for i in good if isinstance(i.get("dp_size"), int) and not isinstance(i.get("dp_size"), bool)}
+    dp_size = max(dp_sizes) if dp_sizes else 1
+    if isinstance(sizes, str):
+        unknown = [{
+            "url": where, "kind": "failed",
+            "error": f"cannot count the ranks across data-parallel replicas ({sizes}); vLLM's collective_rpc answers for "
+            "DP engine 0 only, so other replicas may be unchecked: from_vllm_weight_checker reaches every replica",
+        }]  # fmt: skip
+        across = None
+    else:
+        unknown, (across, per_replica) = [], sizes
+        if across // per_replica > 1:
+            dp_size = across // per_replica
+    world = max(worlds | ({across} if across else set()), default=0)
+    if not world:
+        return unknown
     seen = {ident["rank"] for ident in known}
     roles = {ident["role"] for ident in known}
     role = roles.pop() if len(roles) == 1 else None
-    dp_sizes = {i["dp_size"] for i in good if isinstance(i.get("dp_size"), int) and not isinstance(i.get("dp_size"), bool)}
-    dp_size = max(dp_sizes) if dp_sizes else 1
     replica = world // dp_size if dp_size > 1 and world % dp_size == 0 else None
-    msg = f"no answer: the workers' world_size is {world} but collective_rpc reached {len(seen)} of them"
+    whence = "the workers' world_size" if across is None or world in worlds else "get_world_size (across data-parallel replicas)"
+    msg = f"no answer: {whence} is {world} but collective_rpc reached {len(seen)} of them"
     if replica is not None:
         msg += (
             f"; with data parallelism ({dp_size} replicas) vLLM's collective_rpc returns DP engine 0's workers only "
             "(vLLM 0.33 call_utility_async): from_vllm_weight_checker reaches every replica"
         )
-    return [
+    return unknown + [
         {"url": f"{where} rank {r}", "kind": "unreachable", "error": msg, "role": role, "rank": r, "dp": r // replica if replica else None}
         for r in range(world) if r not in seen
     ]  # fmt: skip
@@ -278,7 +337,8 @@ def from_vllm_http(
 ) -> FetchResult:
     """Every worker's digests from the vLLM server at ``base_url`` (dev-mode ``/collective_rpc``).
 
-    ``name`` is a regex the workers filter parameter names by; ``algo`` and ``phase`` are
+    Complete only when every rank the server's ``GET /get_world_size`` counts answered,
+    across data-parallel replicas (see the module doc). ``name`` is a regex the workers filter parameter names by; ``algo`` and ``phase`` are
     stamped by the workers. ``timeout_s`` bounds each RPC (vLLM's own ``timeout``; the
     HTTP wait adds a few seconds), and connection errors are retried ``retries`` times.
     Raises :class:`EngineEndpointError` only when the endpoint is missing (404: dev mode
@@ -295,7 +355,7 @@ def from_vllm_http(
         def call(method: str, kw: dict[str, str]) -> list[Any]:
             return vllm_collective_rpc(base, method, (), kw, client=http, timeout_s=timeout_s, retries=retries)
 
-        return _collect(call, base, kwargs, name)
+        return _collect(call, base, kwargs, name, lambda: _http_sizes(base, http, timeout_s))
     finally:
         if own:
             http.close()
@@ -313,6 +373,9 @@ def from_vllm_llm(
     """Every worker's digests from an in-process ``vllm.LLM`` (anything with vLLM's
     ``collective_rpc(method, timeout=None, args=(), kwargs=None)``); see :func:`from_vllm_http`.
 
+    The ranks are counted by ``llm.get_world_size(include_dp=True|False)``; an object
+    without it gives a result that is not complete, saying why.
+
     ``where`` prefixes each worker's label in the ``url`` column.
     """
     rpc = getattr(llm, "collective_rpc", None)
@@ -323,4 +386,4 @@ def from_vllm_llm(
     def call(method: str, kw: dict[str, str]) -> list[Any]:
         return list(rpc(method, timeout=timeout_s, args=(), kwargs=kw))
 
-    return _collect(call, where, kwargs, name)
+    return _collect(call, where, kwargs, name, lambda: _llm_sizes(llm))
