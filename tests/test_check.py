@@ -19,7 +19,8 @@ import torch
 from wcviz.agent import Agent
 from wcviz.endstate import check_agents
 from wcviz.cli import main as cli
-from wcviz.endstate import EngineLeftPoisoned, ResetNotCovered, poison_
+from wcviz.endstate import EngineLeftPoisoned, ResetNotCovered, SnapshotUnusable, poison_
+from wcviz.sources import fetch
 
 TOKEN = "s3cret"
 
@@ -243,3 +244,81 @@ def test_an_empty_rank_fails_the_check_by_name(ranks: list[Rank]) -> None:
     v = report.verdicts
     assert v.loc[v["rank"] == 2, "status"].tolist() == ["empty"]
     assert "1 rank empty (rank 2 (pp=0 tp=2): answered with no parameters)" in report.summary
+
+
+# --------------------------------------------------------------------------- found by an audit (2026-12-02)
+
+
+class Counting(Rank):
+    """A rank that remembers which actions reached it."""
+
+    def __init__(self, rank: int, tp: int) -> None:
+        self.actions: list[str] = []
+        super().__init__(rank, tp)
+
+    def reset(self) -> None:
+        self.actions.append("reset")
+        super().reset()
+
+
+def test_a_snapshot_that_cannot_be_classified_stops_the_check_before_any_reset() -> None:
+    """Two DP replicas both calling themselves rank 0 (rank 0 with two identities): found only after the reload,
+    the error hid a rank left poisoned. Now the check stops after the snapshot: nothing is poisoned."""
+    a, b = Counting(0, 0), Counting(0, 0)
+    b.agent.coords["dp"] = 1  # rank 0 again, another replica's coordinates
+    b.fail_reload = True  # had it been reset, it would stay poisoned
+    with a.agent, b.agent:
+        with pytest.raises(SnapshotUnusable, match=r"nothing was poisoned.*rank 0 claims two identities"):
+            check_agents([a.agent.url, b.agent.url], token=TOKEN)
+    assert a.actions == b.actions == []
+    assert all(torch.equal(b.params[n], b.truth[n]) for n in b.truth)
+
+
+def test_cli_endstate_refuses_an_unwritable_out_and_a_nan_timeout_before_any_reset(
+    ranks: list[Rank], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("WCVIZ_TOKEN", TOKEN)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    urls = [r.agent.url for r in ranks]
+    assert cli(["endstate", *urls, "--yes-reset", "--no-progress", "--out", str(blocker)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--out {blocker}: cannot create that directory" in err
+    assert all(torch.equal(r.params[n], r.truth[n]) for r in ranks for n in r.truth)  # nothing was reset
+    for bad in (["--timeout", "nan"], ["--timeout", "inf"]):
+        assert cli(["endstate", *urls, "--yes-reset", "--no-progress", *bad]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "timeout_s must be a finite number of seconds > 0" in err
+
+
+def test_cli_endstate_names_a_poisoned_rank_before_any_table(ranks: list[Rank], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WCVIZ_TOKEN", TOKEN)
+    ranks[1].fail_reload = True
+    assert cli(["endstate", *[r.agent.url for r in ranks], "--yes-reset", "--no-progress"]) == 1
+    assert capsys.readouterr().out.splitlines()[0].startswith("RELOAD FAILED on engine 1 (pp=0 tp=1): still poisoned")
+
+
+def test_a_rank_of_zero_byte_tensors_is_empty_not_a_pass(ranks: list[Rank]) -> None:
+    """An engine that released its weights to size 0 still lists their names: that rank holds nothing."""
+    hollow = Agent(lambda: {"w": torch.empty(0), "b": torch.empty(0, 4)}, role="engine", rank=2, pp=0, tp=2, token=TOKEN,
+                   allow_mutations=True, snapshot=lambda: None, reset=lambda: None, reload=lambda: None)  # fmt: skip
+    with hollow:
+        urls = {**_urls(ranks), hollow.url: {"role": "engine", "rank": 2, "pp": 0, "tp": 2}}
+        fetched = fetch(urls)
+        report = check_agents(urls, token=TOKEN)
+        filtered = fetch(urls, name="^w$")
+    assert not fetched.complete and fetched.failed["kind"].tolist() == ["empty"]
+    assert "holds only zero-byte parameters" in fetched.failed["error"].iloc[0]
+    assert not report.ok and report.verdicts.loc[report.verdicts["rank"] == 2, "status"].tolist() == ["empty"]
+    assert len(filtered.failed) == 0  # a filter that chose only empty tensors: not an empty rank
+
+
+def test_an_observer_that_raises_does_not_turn_a_good_reload_into_a_failure(ranks: list[Rank]) -> None:
+    from wcviz.endstate import AgentFleet, EndStateSession, run
+
+    def observer(phase: str, step: str) -> None:
+        if (phase, step) == ("reload", "reload"):
+            raise RuntimeError("the progress bar was closed")
+
+    report = run(EndStateSession(AgentFleet(_urls(ranks), token=TOKEN), on_step=observer))
+    assert report.ok and len(report.poisoned) == 0

@@ -222,20 +222,37 @@ def _endstate(args: argparse.Namespace) -> int:
     token = args.token or os.environ.get("WCVIZ_TOKEN")
     if not token:
         raise ValueError("the agents' mutating endpoints need their bearer token: pass --token or set WCVIZ_TOKEN")
+    out = _writable_dir(args.out) if args.out else None  # before anything is poisoned, not after the reload
     report = check_agents(args.urls, token=token, timeout_s=args.timeout, progress=not args.no_progress)
-    if args.out:
-        from wcviz.frame import write_table
-
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        for phase, frame in report.frames.items():
-            write_table(frame, out / f"{phase}.parquet")
-        report.verdicts.to_parquet(out / "verdicts.parquet", index=False)
-        print(f"wrote verdicts and {len(report.frames)} phase tables to {out}", file=sys.stderr)
+    if len(report.poisoned):
+        print(str(report.summary).splitlines()[0])  # a rank left poisoned, before any table
     print(layer_rank_text(report.verdicts))
     print(report.details())
-    print(report.summary)
+    print(report.summary)  # first: a rank left poisoned is said even if the tables cannot be written
+    if out is not None:
+        from wcviz.frame import write_table
+
+        try:
+            for phase, frame in report.frames.items():
+                write_table(frame, out / f"{phase}.parquet")
+            report.verdicts.to_parquet(out / "verdicts.parquet", index=False)
+        except OSError as e:
+            print(f"wcviz: could not write the tables to {out}: {e}", file=sys.stderr)
+            return 1
+        print(f"wrote verdicts and {len(report.frames)} phase tables to {out}", file=sys.stderr)
     return 0 if report.ok else 1
+
+
+def _writable_dir(path: str) -> Path:
+    """``path`` as a directory this process can write into (created if need be), or a ValueError naming it."""
+    out = Path(path)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"--out {path}: cannot create that directory ({e.strerror or e})") from None
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise ValueError(f"--out {path}: this process cannot write into that directory")
+    return out
 
 
 def _verify(args: argparse.Namespace) -> int:
@@ -291,9 +308,9 @@ def _check_did_not_pass(e: BaseException) -> bool:
     Looked up only once such an error exists: ``wcviz digest`` never loads the end-state check."""
     if "wcviz.endstate" not in sys.modules:
         return False
-    from wcviz.endstate import EngineLeftPoisoned, ResetNotCovered
+    from wcviz.endstate import EngineLeftPoisoned, ResetNotCovered, SnapshotUnusable
 
-    return isinstance(e, (EngineLeftPoisoned, ResetNotCovered))
+    return isinstance(e, (EngineLeftPoisoned, ResetNotCovered, SnapshotUnusable))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -32,7 +32,7 @@ from wcviz.endstate.engines import (
 )
 from wcviz.endstate.fleets import AgentFleet, CallableFleet, check_agents, run_check
 from wcviz.endstate.poison import POISON_BYTE, POISON_BYTES, poison_
-from wcviz.endstate.session import PROBLEM_COLUMNS, EndStateReport, EndStateSession, EngineLeftPoisoned, Fleet, run
+from wcviz.endstate.session import PROBLEM_COLUMNS, EndStateReport, EndStateSession, EngineLeftPoisoned, Fleet, SnapshotUnusable, run
 from wcviz.verdicts import ENDSTATE_STATUSES
 from wcviz.verdicts import summary as summary
 
@@ -53,6 +53,7 @@ __all__ = [
     "ResetNotCovered",
     "SglangEndstate",
     "SglangFleet",
+    "SnapshotUnusable",
     "VllmCheckerFleet",
     "check_agents",
     "classify",

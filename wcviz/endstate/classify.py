@@ -77,7 +77,7 @@ def _empty_tensor(nbytes: pd.Series, shape: pd.Series) -> pd.Series:
     return (nbytes == 0).fillna(by_shape).astype(bool)
 
 
-def _prepare(frames: Mapping[str, pd.DataFrame]) -> dict[str, pd.DataFrame]:
+def prepare_phases(frames: Mapping[str, pd.DataFrame]) -> dict[str, pd.DataFrame]:
     """Validate each phase's frame; one algorithm, one coordinate system, unique keys, one identity per rank."""
     out = {phase: validate(df, phase) for phase, df in frames.items()}
     algos: dict[str, str] = {}
@@ -133,16 +133,26 @@ def _pattern_digests(rows: pd.DataFrame, fill: tuple[int, ...]) -> pd.Series:
     distinct = keys.drop_duplicates()
 
     def digests(algo: Any, dtype: Any, shape: Any, nbytes: Any) -> Any:
-        if algo in ENGINE_ALGORITHMS and nbytes is not None:  # the engines hash bytes alone: the count is all it takes
-            return tuple(fill_digest(str(algo), "uint8", [int(nbytes)], int(nbytes), b) for b in fill)
-        if algo not in FILL_ALGORITHMS or dtype is None or shape is None:
-            return None
         try:
+            size = None if nbytes is None else int(nbytes)
+            if size is not None and dtype is not None and shape is not None:
+                try:
+                    implied = math.prod(int(d) for d in json.loads(str(shape))) * parse_dtype(str(dtype)).itemsize
+                except (ValueError, TypeError, RecursionError, WcvizError):
+                    implied = size  # a dtype this PyTorch cannot read: the byte count stands alone
+                if implied != size:
+                    return None  # a row that contradicts itself proves nothing (and its count is not to be trusted)
+            if size is not None and size < 0:
+                return None
+            if algo in ENGINE_ALGORITHMS and size is not None:  # the engines hash bytes alone: the count is all it takes
+                return tuple(fill_digest(str(algo), "uint8", [size], size, b) for b in fill)
+            if algo not in FILL_ALGORITHMS or dtype is None or shape is None:
+                return None
             dims = [int(d) for d in json.loads(str(shape))]
-            size = math.prod(dims) * parse_dtype(str(dtype)).itemsize if nbytes is None else int(nbytes)
+            size = math.prod(dims) * parse_dtype(str(dtype)).itemsize if size is None else size
             return tuple(fill_digest(str(algo), str(dtype), dims, size, b) for b in fill)
-        except (ValueError, TypeError, RecursionError, WcvizError):
-            return None  # a shape or dtype this PyTorch cannot read: not computable
+        except (ValueError, TypeError, RecursionError, OverflowError, WcvizError):
+            return None  # a shape, dtype or count this PyTorch cannot read: not computable
 
     distinct = distinct.assign(_expected=[digests(*k) for k in distinct.itertuples(index=False, name=None)])
     merged = keys.merge(distinct, on=cols, how="left")["_expected"]
@@ -193,7 +203,7 @@ def reset_coverage(snapshot: pd.DataFrame, reset: pd.DataFrame, *, reset_pattern
     it), ``void`` (the reset fell short: the check cannot stand) and ``why`` (a few
     words when not covered). ``reset_pattern``: see :data:`RESET_PATTERNS`.
     """
-    p = _prepare({"snapshot": snapshot, "reset": reset})
+    p = prepare_phases({"snapshot": snapshot, "reset": reset})
     return _coverage(p["snapshot"], p["reset"], reset_pattern)
 
 
@@ -307,7 +317,7 @@ def classify(
     answered with no parameters, in some phase: all their rows get that status and
     they are left out of the reset coverage.
     """
-    p = _prepare({"snapshot": snapshot, "reset": reset, "reload": reload})
+    p = prepare_phases({"snapshot": snapshot, "reset": reset, "reload": reload})
     snap, rst, rel = p["snapshot"], p["reset"], p["reload"]
     dead = _identities(unreachable)
     hollow = _identities(empty)

@@ -72,6 +72,8 @@ class AgentFleet:
         targets, expected = normalize_targets(urls)
         if not targets:
             raise ValueError("the end-state check needs at least one agent URL")
+        if not 0 < timeout_s < float("inf") or retries < 0:  # refused before any rank is touched (NaN and inf too)
+            raise ValueError(f"timeout_s must be a finite number of seconds > 0 and retries >= 0, got {timeout_s} and {retries}")
         self._targets = targets
         self.token = token
         self.reload_fn = reload

@@ -10,19 +10,24 @@ keeps the check honest when ranks misbehave:
 - a rank that does not answer in some phase is ``unreachable`` in the verdicts (never
   silently dropped, never counted as a pass); one that answers with no parameters is
   ``empty``;
+- a snapshot the report could not classify (one rank with two identities, two digest
+  algorithms, a parameter listed twice) stops the check before the reset
+  (:class:`SnapshotUnusable`): nothing is poisoned for a check that cannot conclude;
 - a reset that leaves a parameter of an answering rank anything but fully reset voids
   the check (:class:`wcviz.endstate.ResetNotCovered`), raised only after the reload;
 - once the reset has started the reload runs whatever happens (a reset or a
   ``before_reload`` hook that raises, Ctrl-C), and every way out names the ranks left
   poisoned first (:class:`EngineLeftPoisoned`, or a :class:`ResetNotCovered` whose
-  message starts with them).
+  message starts with them), the report's own errors included.
 
 Observers (a dashboard's progress bar) pass ``on_step(phase, step)``: it is called
-after each action and each fetch of digests.
+after each action and each fetch of digests; an observer that raises is logged and
+ignored (a progress bar must not turn a good reload into a reported failure).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -36,7 +41,9 @@ from wcviz.frame import IDENTITY
 from wcviz.sources import ActionResult, FetchResult
 from wcviz.verdicts import summary as verdict_summary
 
-__all__ = ["PROBLEM_COLUMNS", "EndStateReport", "EndStateSession", "EngineLeftPoisoned", "Fleet", "Summary", "run"]
+__all__ = ["PROBLEM_COLUMNS", "EndStateReport", "EndStateSession", "EngineLeftPoisoned", "Fleet", "SnapshotUnusable", "Summary", "run"]
+
+log = logging.getLogger("wcviz.endstate")
 
 PROBLEM_COLUMNS = ("phase", "step", "url", "kind", "error", "role", *IDENTITY)
 
@@ -53,6 +60,10 @@ class EngineLeftPoisoned(WcvizError, RuntimeError):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (str(self), self.poisoned))
+
+
+class SnapshotUnusable(WcvizError, RuntimeError):
+    """The snapshot cannot be classified, so the check stopped before its reset: nothing was poisoned."""
 
 
 @runtime_checkable
@@ -204,7 +215,10 @@ class EndStateSession:
 
     def _step(self, phase: str, step: str) -> None:
         if self.on_step is not None:
-            self.on_step(phase, step)
+            try:
+                self.on_step(phase, step)
+            except Exception:  # an observer's bug: logged, never the check's outcome
+                log.exception("end-state check: the on_step observer raised at %s/%s (ignored)", phase, step)
 
     def _problem(self, phase: str, step: str, target: str, kind: str, error: str) -> None:
         ident = {k: v for k, v in self.fleet.identity(target).items() if k in ("role", *IDENTITY)}
@@ -247,15 +261,29 @@ class EndStateSession:
         return self._digests(phase)
 
     def snapshot(self) -> pd.DataFrame:
-        """Every rank records, and we fetch, its digests (phase ``snapshot``); starts a new check."""
+        """Every rank records, and we fetch, its digests (phase ``snapshot``); starts a new check. Raises
+        :class:`SnapshotUnusable` if the report could not classify them (and :meth:`reset` then refuses too)."""
         self.problems, self.frames, self.fetches, self.answered, self.unpoisoned = [], {}, {}, {}, set()
-        return self._phase("snapshot")
+        frame = self._phase("snapshot")
+        self._refuse_unusable_snapshot()
+        return frame
 
     def reset(self) -> pd.DataFrame:
         """DESTRUCTIVE: every rank overwrites every parameter with the reset pattern; the digests after it."""
         if "snapshot" not in self.frames:
             raise RuntimeError("reset before snapshot: take the snapshot first, or nothing can be compared")
+        self._refuse_unusable_snapshot()
         return self._phase("reset")
+
+    def _refuse_unusable_snapshot(self) -> None:
+        """Raise :class:`SnapshotUnusable` if the report could not classify the snapshot: found after the
+        reload, that could only be raised, with ranks poisoned for a check that cannot conclude."""
+        from wcviz.endstate.classify import prepare_phases
+
+        try:
+            prepare_phases({"snapshot": self.frames["snapshot"]})
+        except (WcvizError, ValueError) as e:
+            raise SnapshotUnusable(f"the snapshot cannot be classified, so the check stopped before the reset (nothing was poisoned): {e}") from e
 
     def reload(self) -> pd.DataFrame:
         """Run the weight update again on every rank; the digests after it (phase ``reload``)."""
@@ -304,6 +332,11 @@ class EndStateSession:
             if not len(poisoned):
                 raise
             raise ResetNotCovered(f"{_poisoned_line(poisoned)}. Also: {e}", e.coverage, _labels(poisoned)) from e
+        except Exception as e:  # a table that does not hold up: the poisoned ranks still come first
+            poisoned = _poisoned(table)
+            if not len(poisoned):
+                raise
+            raise EngineLeftPoisoned(f"{_poisoned_line(poisoned)}. Also, no verdicts could be made: {e}", _labels(poisoned)) from e
         return EndStateReport(
             verdicts=verdicts, frames=dict(self.frames), problems=table, answered=dict(self.answered),
             fetches=dict(self.fetches),

@@ -114,8 +114,8 @@ class Cluster:
         for r in range(layout.world_size):
             dp, pp, tp = layout.coords(r)
             _check_layout(cfg, tp, layout.tp, pp, layout.pp, dp, layout.dp, False)
-        if timeout_s <= 0:
-            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        if not 0 < timeout_s < float("inf"):  # NaN and inf too: a deadline must be a number of seconds
+            raise ValueError(f"timeout_s must be a finite number of seconds > 0, got {timeout_s}")
         self.cfg, self.layout = cfg, layout
         self.verify = verify_mode(verify)
         self.agents, self.allow_mutations = bool(agents), bool(allow_mutations)

@@ -41,8 +41,8 @@ def engine_request(
     the statuses whose JSON body the caller reads (others raise ``failed`` with the
     engine's message).
     """
-    if timeout_s <= 0:
-        raise ValueError("timeout_s must be > 0")
+    if not 0 < timeout_s < float("inf"):  # NaN and inf too
+        raise ValueError(f"timeout_s must be a finite number of seconds > 0, got {timeout_s}")
     if client is not None and transport is not None:
         raise ValueError("give client or transport, not both")
     if token is not None and (not isinstance(token, str) or not token):

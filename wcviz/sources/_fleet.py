@@ -128,6 +128,8 @@ def checked_url(url: Any) -> str:
         raise ValueError(f"{str(url)[:200]!r} is not a URL ({e})") from None
     if parsed.scheme not in ("http", "https") or not parsed.host:
         raise ValueError(f"{str(url)[:200]!r} is not an agent URL: expected http://host:port (or https://)")
+    if parsed.port is not None and not 0 < parsed.port < 65536:
+        raise ValueError(f"{str(url)[:200]!r} is not an agent URL: port {parsed.port} is not 1..65535")
     return text
 
 
@@ -173,6 +175,9 @@ def identity_of(info: Any, what: str) -> dict[str, Any]:
     for k in IDENTITY[1:]:
         if info.get(k) is not None and not _is_int(info[k]):
             raise Failed(f"{what} has a non-integer {k}: {info[k]!r}")
+    for k in IDENTITY:
+        if info.get(k) is not None and not 0 <= info[k] < 2**63:
+            raise Failed(f"{what} has {k}={info[k]!r}, not a coordinate (0 <= {k} < 2**63)")
     return {k: info.get(k) for k in _IDENTITY_FIELDS}
 
 
@@ -372,7 +377,7 @@ def assemble(
     else:
         frame = _no_rows()
     frame["url"] = frame["url"].astype("string")
-    return _result(urls, frame, failures, kept)
+    return _result(urls, *_audit(frame, failures, kept, filtered))
 
 
 def assemble_tables(
@@ -400,7 +405,38 @@ def assemble_tables(
             except Failed as e:
                 bad.append({"url": label, "kind": "failed", "error": str(e), **ident})
         return assemble(frames, [*failed, *bad], filtered=filtered, targets=targets)
-    return _result(urls, frame, failures, kept)
+    return _result(urls, *_audit(frame, failures, kept, filtered))
+
+
+def _audit(
+    frame: pd.DataFrame, failures: list[dict[str, Any]], kept: Sequence[tuple[str, dict[str, Any], Any]], filtered: bool
+) -> tuple[pd.DataFrame, list[dict[str, Any]], list[tuple[str, dict[str, Any], Any]]]:
+    """What no single row shows, rank by rank (``url``): a parameter listed twice or a negative byte count fail
+    the rank (its table cannot be trusted to say what it holds), and a rank whose every parameter is zero bytes
+    is ``empty`` unless a name filter chose them (weights released or offloaded to size 0 still list their
+    names). Those ranks' rows leave the frame; vectorised, so a fleet's frame costs one pass."""
+    if not len(frame):
+        return frame, failures, list(kept)
+    why: dict[str, tuple[str, str]] = {}
+    dup = frame.duplicated(["url", "name", "phase"], keep=False)
+    for url, name in frame.loc[dup, ["url", "name"]].drop_duplicates("url").itertuples(index=False):
+        why[str(url)] = ("failed", f"lists parameter {name!r} more than once: its table cannot say what it holds")
+    negative = frame["nbytes"].notna() & (frame["nbytes"].fillna(0) < 0)
+    for url, name, n in frame.loc[negative, ["url", "name", "nbytes"]].drop_duplicates("url").itertuples(index=False):
+        why.setdefault(str(url), ("failed", f"gives parameter {name!r} a byte count of {n}"))
+    if not filtered:
+        zero = (frame["nbytes"] == 0).fillna(False).groupby(frame["url"], sort=False).all()
+        for url in zero.index[zero.to_numpy()]:
+            why.setdefault(str(url), ("empty", "holds only zero-byte parameters: weights released or offloaded, or a mis-wired holder"))
+    if not why:
+        return frame, failures, list(kept)
+    idents = frame.drop_duplicates("url").set_index("url")
+    for url, (kind, error) in why.items():
+        row = idents.loc[url]
+        ident = {k: (None if pd.isna(row[k]) else (int(row[k]) if k in IDENTITY else str(row[k]))) for k in _IDENTITY_FIELDS if k in row}
+        failures.append({"url": url, "kind": kind, "error": error, **ident})
+    frame = frame[~frame["url"].isin(list(why))].reset_index(drop=True)
+    return frame, failures, [k for k in kept if k[0] not in why]
 
 
 def _no_rows() -> pd.DataFrame:
@@ -442,7 +478,8 @@ def _triage(
             rank = ", ".join(f"{k}={v}" for k, v in zip(KEY, key) if v is not None)
             for label, ident, _, _ in claims:
                 others = ", ".join(lb for lb, *_ in claims if lb != label)
-                failures.append({"url": label, "kind": "failed", "error": f"claims the same rank ({rank}) as {others}", **ident})
+                why = f"as {others}" if others else f"{len(claims)} times under this one label (one rank listed more than once)"
+                failures.append({"url": label, "kind": "failed", "error": f"claims the same rank ({rank}) {why}", **ident})
             continue
         label, _, info, payload = claims[0]
         kept.append((label, info, payload))

@@ -138,8 +138,8 @@ async def fetch_agents(
     pattern the agents filter parameter names by. Never raises for a rank that fails:
     see :class:`FetchResult`.
     """
-    if retries < 0 or timeout_s <= 0:
-        raise ValueError("retries must be >= 0 and timeout_s > 0")
+    if retries < 0 or not 0 < timeout_s < float("inf"):  # NaN and inf too
+        raise ValueError(f"retries must be >= 0 and timeout_s a finite number of seconds > 0, got {retries} and {timeout_s}")
     name_filter(name)  # a bad pattern is the caller's error, named here, not one failure per rank
     targets, knowns = normalize(urls)
     http, own = _client(client, transport, timeout_s)

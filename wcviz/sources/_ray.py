@@ -147,8 +147,8 @@ def from_ray_actors(
     the two rounds has ``timeout_s`` for all actors together. ``url`` labels are Ray's
     names of the handles (``Actor(Class, id)``).
     """
-    if timeout_s <= 0:
-        raise ValueError("timeout_s must be > 0")
+    if not 0 < timeout_s < float("inf"):  # NaN and inf too
+        raise ValueError(f"timeout_s must be a finite number of seconds > 0, got {timeout_s}")
     ray = _ray()
     targets = _normalize(actors)
     if not targets:

@@ -118,8 +118,8 @@ def vllm_collective_rpc(
     """
     kwargs = {} if kwargs is None else kwargs
     _check_strings(method, args, kwargs)
-    if timeout_s <= 0 or retries < 0:
-        raise ValueError("timeout_s must be > 0 and retries >= 0")
+    if not 0 < timeout_s < float("inf") or retries < 0:  # NaN and inf too
+        raise ValueError(f"timeout_s must be a finite number of seconds > 0 and retries >= 0, got {timeout_s} and {retries}")
     if client is not None and transport is not None:
         raise ValueError("give client or transport, not both")
     url = f"{str(base_url).rstrip('/')}/collective_rpc"
