@@ -373,6 +373,14 @@ def test_name_patterns_that_could_backtrack_or_are_too_long_are_400(pattern: str
     assert r.status_code == 400 and re.search(why, r.json()["error"]), r.json()
 
 
+def test_a_query_parameter_given_twice_is_400_not_the_last_one() -> None:
+    """``?name=^x$&name=`` used the last value: a filter that chose one parameter answered all of them."""
+    agent = Agent(_weights, role="engine", rank=0)
+    r = _request(agent.app, "GET", "/v1/digests", params=[("name", r"layers\.0\."), ("name", "")])
+    assert r.status_code == 400 and r.json()["error"] == "query parameter(s) name given more than once; give each once"
+    assert len(_request(agent.app, "GET", "/v1/digests", params={"name": r"layers\.0\."}).json()["rows"]) == 2
+
+
 def test_a_served_agent_answers_only_its_own_host_names() -> None:
     """DNS rebinding: a web page reaches the agent under the attacker's name; the Host header gives it away."""
     with Agent(_weights, role="engine", rank=0, allowed_hosts=["node7.cluster"]) as agent:

@@ -89,11 +89,14 @@ def _error(status: int, message: str) -> JSONResponse:
 
 
 def _check_params(request: Request, allowed: Iterable[str]) -> None:
-    """Refuse query parameters the endpoint does not know (a typo must not be ignored silently)."""
+    """Refuse query parameters the endpoint does not know (a typo must not be ignored silently), or given twice."""
     unknown = sorted(set(request.query_params) - set(allowed))
     if unknown:
         known = ", ".join(allowed) or "none"
         raise _ClientError(400, f"unknown query parameter(s) {', '.join(unknown)}; allowed: {known}")
+    twice = sorted({k for k in request.query_params if len(request.query_params.getlist(k)) > 1})
+    if twice:  # which one would count? ``?name=^x$&name=`` must not quietly become "every parameter"
+        raise _ClientError(400, f"query parameter(s) {', '.join(twice)} given more than once; give each once")
 
 
 def _guarded(fn: Endpoint) -> Endpoint:
