@@ -350,6 +350,34 @@ def test_sha256_is_sha256_of_metadata_then_bytes() -> None:
     assert digest_hex(t.t(), algo="sha256") == digest_hex(t.t().contiguous(), algo="sha256")
 
 
+def _nested(layout: torch.layout) -> torch.Tensor:
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "nested tensors are in prototype stage"
+        return torch.nested.nested_tensor([torch.ones(2), torch.ones(3)], layout=layout)
+
+
+NESTED_LAYOUTS = [torch.strided, torch.jagged]
+
+
+@pytest.mark.parametrize("layout", NESTED_LAYOUTS, ids=str)
+@pytest.mark.parametrize("algo", ["nemo-rl-v3", "sha256", "sglang-gpu"])
+def test_nested_tensors_are_refused_naming_the_tensor(layout: torch.layout, algo: str) -> None:
+    """A nested tensor has no one flat buffer of elements: a DigestError naming it, not torch's own error."""
+    from wcviz.digest import DigestAccumulator
+
+    t = _nested(layout)
+    with pytest.raises(DigestError, match="'model.ragged' is a nested tensor"):
+        digest_hex(t, algo=algo, name="model.ragged")
+    acc = DigestAccumulator(algo=algo)
+    with pytest.raises(DigestError, match="'model.ragged' is a nested tensor"):
+        acc.add("model.ragged", t)
+        acc.hex()
+    with pytest.raises(DigestError, match="'model.ragged' is a nested tensor"):
+        digest_many({"w": torch.ones(2), "model.ragged": t}, algo=algo)
+
+
 def test_digest_carries_its_algorithm_and_pickles() -> None:
     d = digest_hex(torch.ones(3))
     assert isinstance(d, str) and d.algo == "nemo-rl-v3"

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import warnings
 
 import pandas as pd
 import pytest
@@ -17,6 +20,7 @@ from wcviz.frame import (
     parse_layer,
     read_table,
     shape_str,
+    table_text,
     validate,
     write_table,
 )
@@ -394,3 +398,105 @@ def test_unreadable_file_is_a_table_error_naming_it(tmp_path, suffix, content):
 def test_table_error_is_a_wcviz_error():
     assert issubclass(TableError, WcvizError)
     assert issubclass(TableError, ValueError)
+
+
+# ---------------------------------------------------------------------------- audit: round trips and hostile tables
+
+AWKWARD_NAMES = ["cr\rret", "crlf\r\nx", "\rlead", "trail\r", "new\nline", 'quo"te', "com,ma", " lead", "tab\tx", "\u2028sep", "NA", ""]
+
+
+@pytest.mark.parametrize("suffix", SUFFIXES)
+def test_every_name_roundtrips_exactly_even_with_a_bare_carriage_return(tmp_path, suffix):
+    """A bare ``\\r`` is a line end to CSV readers: ``wcviz digest --out x.csv`` must quote it, or the table cannot be read back."""
+    rows = [_full_row(name=n, host="h\rst" if i == 0 else None) for i, n in enumerate(AWKWARD_NAMES[:-1])]
+    df = make_frame(rows)
+    back = read_table(write_table(df, tmp_path / f"t{suffix}"))
+    pd.testing.assert_frame_equal(back, df, check_exact=True)
+    assert back["name"].tolist() == AWKWARD_NAMES[:-1]
+
+
+def test_csv_text_of_a_table_with_a_carriage_return_reads_back(tmp_path):
+    df = make_frame([_full_row(name="a\rb"), _all_na_row("plain")])
+    p = tmp_path / "t.csv"
+    p.write_text(table_text(df, "csv"))
+    pd.testing.assert_frame_equal(read_table(p), df, check_exact=True)
+
+
+def test_csv_of_a_table_without_carriage_returns_is_unchanged():
+    """Quoting every field is kept for tables that need it: other tables are written as before."""
+    df = make_frame([_full_row(), _all_na_row("w")])
+    text = table_text(df, "csv")
+    assert text == df.to_csv(index=False)  # minimal quoting: only "[64, 64]" is quoted
+    assert text.count('"') == 2 and text.splitlines()[0] == ",".join(COLUMNS)
+
+
+HOSTILE_INTS = [1e300, -1e19, 2.0**63, float("inf"), -float("inf"), True, 2**63, -(2**63) - 1, 2**70, 0.5]
+
+
+@pytest.mark.parametrize("value", HOSTILE_INTS, ids=[repr(v) for v in HOSTILE_INTS])
+@pytest.mark.parametrize("col", ["rank", "nbytes"])
+def test_integer_columns_refuse_what_is_not_an_int64_without_a_warning(tmp_path, col, value):
+    """Checked before any cast: a TableError naming the column, never a numpy RuntimeWarning first."""
+    rows = [{"name": "w", "digest": "00" * 16, "algo": "nemo-rl-v3", col: value}]
+    p = tmp_path / "t.json"
+    p.write_text(json.dumps(rows))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # any warning fails the test
+        with pytest.raises(TableError, match=f"column '{col}'") as info:
+            read_table(p)
+        assert str(p) in str(info.value)
+        for frame in (pd.DataFrame(rows), pd.DataFrame(rows, dtype=object)):
+            with pytest.raises(TableError, match=f"column '{col}'"):
+                validate(frame)
+
+
+def test_integer_columns_keep_every_int64_exactly():
+    """The ends of int64 beside a missing value: read exactly, not through float64."""
+    rows = [{"name": "a", "digest": "00" * 16, "algo": "nemo-rl-v3", "step": 2**63 - 1, "rank": -(2**63)},
+            {"name": "b", "digest": "00" * 16, "algo": "nemo-rl-v3", "step": None, "rank": 2**53 + 1}]  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        frame = validate(pd.DataFrame(rows, dtype=object))
+        assert frame["step"].tolist() == [2**63 - 1, pd.NA]
+        assert frame["rank"].tolist() == [-(2**63), 2**53 + 1]
+        assert validate(pd.DataFrame({"name": ["w"], "digest": ["00" * 16], "algo": ["nemo-rl-v3"], "rank": [3.0]}))["rank"].tolist() == [3]
+
+
+def test_cli_compare_of_a_table_with_a_huge_rank_is_one_line_and_exit_2(tmp_path):
+    base, bad = tmp_path / "base.csv", tmp_path / "bad.json"
+    base.write_text("name,digest,algo\nw," + "0" * 32 + ",nemo-rl-v3\n")
+    bad.write_text(json.dumps([{"name": "w", "digest": "0" * 32, "algo": "nemo-rl-v3", "rank": 1e300}]))
+    run = subprocess.run([sys.executable, "-m", "wcviz", "compare", str(base), str(bad)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2, run.stderr
+    assert run.stderr.count("\n") == 1 and run.stderr.startswith("wcviz: error: "), run.stderr
+    assert "bad.json" in run.stderr and "'rank'" in run.stderr
+
+
+def test_a_csv_header_naming_a_column_twice_is_refused(tmp_path):
+    """pandas would read the second as ``digest.1`` and compare the first: which one was meant is unknown."""
+    p = tmp_path / "dup.csv"
+    p.write_text("name,digest,algo,digest\nw," + "0" * 32 + ",nemo-rl-v3," + "1" * 32 + "\n")
+    with pytest.raises(TableError, match="column 'digest' appears more than once") as info:
+        read_table(p)
+    assert str(p) in str(info.value)
+
+
+def test_a_legitimate_column_named_like_a_pandas_rename_is_kept(tmp_path):
+    p = tmp_path / "ok.csv"
+    p.write_text("name,digest,algo,digest.1\nw," + "0" * 32 + ",nemo-rl-v3,note\n")
+    assert read_table(p)["digest.1"].tolist() == ["note"]
+
+
+def test_a_json_record_giving_a_column_twice_is_refused(tmp_path):
+    p = tmp_path / "dup.json"
+    p.write_text('[{"name":"w","digest":"' + "0" * 32 + '","algo":"nemo-rl-v3"},'
+                 '{"name":"v","digest":"' + "1" * 32 + '","algo":"nemo-rl-v3","digest":"' + "0" * 32 + '"}]')  # fmt: skip
+    with pytest.raises(TableError, match="record 1 gives column 'digest' more than once") as info:
+        read_table(p)
+    assert str(p) in str(info.value)
+
+
+def test_a_frame_with_a_repeated_column_is_refused():
+    df = pd.DataFrame([["w", "0" * 32, "nemo-rl-v3", "1" * 32]], columns=["name", "digest", "algo", "digest"])
+    with pytest.raises(TableError, match="column 'digest' appears more than once"):
+        validate(df)

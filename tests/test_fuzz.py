@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import os
 import string
 import struct
@@ -19,6 +20,7 @@ from typing import Any
 
 import httpx
 import pytest
+import safetensors
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -73,8 +75,72 @@ def test_arbitrary_json_headers(tmp_path: Path, header: dict[str, Any], data: by
         return
     for e in entries:  # what was accepted is consistent with the file
         assert e.start + e.nbytes <= path.stat().st_size
+    _agrees_with_the_library(path, entries)
     table = from_safetensors(path, progress=False) if entries else None
     assert table is None or len(table) == len(entries)
+
+
+def _agrees_with_the_library(path: Path, entries: list[Any]) -> None:
+    """What wcviz accepted, the safetensors library reads too, as the same tensors over the same bytes."""
+    raw = path.read_bytes()
+    lib = dict(safetensors.deserialize(raw))  # raises if the library refuses what wcviz accepted
+    assert sorted(lib) == sorted(e.name for e in entries)
+    for e in entries:
+        assert list(e.shape) == lib[e.name]["shape"]
+        assert bytes(lib[e.name]["data"]) == raw[e.start : e.start + e.nbytes]
+
+
+def _object_text(pairs: list[tuple[str, Any]]) -> str:
+    """A JSON object written pair by pair: a key may repeat (``json.dumps`` of a dict cannot write that)."""
+    return "{" + ",".join(f"{json.dumps(k)}:{v if isinstance(v, str) else json.dumps(v)}" for k, v in pairs) + "}"
+
+
+@st.composite
+def _tiled_headers(draw: Any) -> tuple[bytes, bytes, list[str]]:
+    """A header whose tensors tile the data (the valid layout), with names drawn from a few so that some repeat,
+    an entry that may give a field twice, and sometimes a gap, trailing bytes or padding to 8 bytes."""
+    names = draw(st.lists(st.sampled_from(["a", "b", "c", "__metadata__"]), max_size=5))
+    pairs: list[tuple[str, Any]] = []
+    offset = 0
+    for name in names:
+        if name == "__metadata__":
+            meta = draw(st.dictionaries(st.sampled_from(["format", "k"]), st.sampled_from(["pt", "x"]) | json_values, max_size=2))
+            pairs.append((name, json.dumps(meta)))
+            continue
+        code, size = draw(st.sampled_from([("F32", 4), ("U8", 1), ("BF16", 2), ("I64", 8)]))
+        shape = draw(st.lists(st.integers(0, 3), max_size=2))
+        nbytes = size * math.prod(shape)
+        begin = offset + draw(st.sampled_from([0, 0, 0, 1]))  # mostly contiguous, sometimes a gap
+        fields = [("dtype", json.dumps(code)), ("shape", json.dumps(shape)), ("data_offsets", json.dumps([begin, begin + nbytes]))]
+        if draw(st.booleans()) and draw(st.booleans()):
+            fields.append(draw(st.sampled_from(fields)))  # a field given twice
+        pairs.append((name, _object_text(fields)))
+        offset = begin + nbytes
+    text = _object_text(pairs)
+    if draw(st.booleans()):
+        text += " " * (-len(text) % 8)  # as the library pads its headers
+    data = draw(st.binary(min_size=offset, max_size=offset)) + b"\0" * draw(st.sampled_from([0, 0, 1]))
+    return text.encode(), data, names
+
+
+@FUZZ
+@given(case=_tiled_headers())
+def test_headers_with_repeated_keys_are_refused_and_the_rest_agree_with_the_library(tmp_path: Path, case: tuple[bytes, bytes, list[str]]) -> None:
+    """A tensor named twice (json keeps the last: the first one's bytes would go undigested) is refused naming it;
+    whatever is accepted lists one entry per name written and is what the safetensors library reads."""
+    header, data, names = case
+    path = _write(tmp_path, header, data)
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    try:
+        entries = read_header(path)
+    except CheckpointError as e:
+        assert str(path) in str(e)
+        if repeated:
+            assert "more than once" in str(e) and any(repr(n) in str(e) or n == "__metadata__" for n in repeated), str(e)
+        return
+    assert not repeated, f"accepted a header naming {repeated} twice"
+    assert sorted(e.name for e in entries) == sorted(n for n in names if n != "__metadata__")
+    _agrees_with_the_library(path, entries)
 
 
 @FUZZ
@@ -83,6 +149,22 @@ def test_arbitrary_index_files(tmp_path: Path, index: Any) -> None:
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
     with contextlib.suppress(CheckpointError):
         checkpoint_files(tmp_path)
+
+
+@FUZZ
+@given(names=st.lists(st.sampled_from(["w.a", "w.b", "w.c"]), min_size=1, max_size=4))
+def test_index_files_naming_a_tensor_twice_are_refused(tmp_path: Path, names: list[str]) -> None:
+    (tmp_path / "model.safetensors.index.json").write_text(
+        '{"metadata": {}, "weight_map": ' + _object_text([(n, json.dumps("x.safetensors")) for n in names]) + "}"
+    )
+    repeated = {n for n in names if names.count(n) > 1}
+    try:
+        files = checkpoint_files(tmp_path)
+    except CheckpointError as e:
+        assert bool(repeated) == ("more than once" in str(e)), str(e)
+        assert not repeated or any(repr(n) in str(e) for n in repeated), str(e)
+        return
+    pytest.fail(f"accepted {files}: the shard the index names is missing")
 
 
 @FUZZ

@@ -491,6 +491,49 @@ def _overlap(tmp_path):
     return _raw_file(tmp_path / "ovl.safetensors", hdr, b"\0" * 12), ["'w.one'", "'w.two'", "overlap"]
 
 
+def _raw_text(path: Path, header: str, data: bytes = b"") -> Path:
+    """A file whose header is ``header`` verbatim (JSON that ``json.dumps`` cannot write, such as a repeated key)."""
+    h = header.encode()
+    path.write_bytes(struct.pack("<Q", len(h)) + h + data)
+    return path
+
+
+def _tensor_named_twice(tmp_path):
+    # json.loads keeps the second entry: the first one's bytes (all 0x01) would never be digested
+    hdr = '{"w.twice":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"w.twice":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}}'
+    return _raw_text(tmp_path / "twice.safetensors", hdr, b"\x01" * 4 + b"\0" * 4), ["'w.twice'", "more than once"]
+
+
+def _entry_field_twice(tmp_path):
+    hdr = '{"w.field":{"dtype":"F32","dtype":"I32","shape":[1],"data_offsets":[0,4]}}'
+    return _raw_text(tmp_path / "field.safetensors", hdr, b"\0" * 4), ["'w.field'", "'dtype'", "more than once"]
+
+
+def _gap_between_tensors(tmp_path):
+    hdr = {"w.a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}, "w.b": {"dtype": "F32", "shape": [1], "data_offsets": [8, 12]}}
+    return _raw_file(tmp_path / "gap.safetensors", hdr, b"\0" * 12), ["'w.a'", "'w.b'", "4-8", "not fully covered"]
+
+
+def _gap_at_start(tmp_path):
+    hdr = {"w.late": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}}
+    return _raw_file(tmp_path / "late.safetensors", hdr, b"\0" * 8), ["'w.late'", "0-4", "not fully covered"]
+
+
+def _trailing_bytes(tmp_path):
+    hdr = {"w.last": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}
+    return _raw_file(tmp_path / "trail.safetensors", hdr, b"\0" * 4 + b"junk"), ["'w.last'", "4 trailing bytes", "not fully covered"]
+
+
+def _metadata_not_a_mapping(tmp_path):
+    hdr = {"__metadata__": [1, 2], "w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}
+    return _raw_file(tmp_path / "meta.safetensors", hdr, b"\0" * 4), ["__metadata__", "list"]
+
+
+def _metadata_value_not_a_string(tmp_path):
+    hdr = {"__metadata__": {"format": "pt", "step": 7}, "w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}
+    return _raw_file(tmp_path / "meta2.safetensors", hdr, b"\0" * 4), ["__metadata__", "'step'", "not a string"]
+
+
 def _offsets_backwards(tmp_path):
     return _raw_file(tmp_path / "back.safetensors", {"w.back": {"dtype": "U8", "shape": [0], "data_offsets": [4, 0]}}, b"\0" * 4), ["'w.back'"]
 
@@ -566,6 +609,17 @@ def _index_points_outside(tmp_path):
     return d, ["model.safetensors.index.json", "'../elsewhere.safetensors'"]
 
 
+def _index_names_a_tensor_twice(tmp_path):
+    d = _shard_dir(tmp_path)
+    idx = d / "model.safetensors.index.json"
+    name = "model.layers.0.mlp.up_proj.weight"
+    text = idx.read_text()
+    entry = json.dumps(name) + ": " + json.dumps(json.loads(text)["weight_map"][name])
+    assert entry in text  # json.loads would keep only the second one: which shard holds it would be a silent guess
+    idx.write_text(text.replace(entry, entry + ", " + json.dumps(name) + ': "model-00002-of-00002.safetensors"', 1))
+    return d, ["model.safetensors.index.json", f"{name!r}", "more than once"]
+
+
 def _duplicate_across_shards(tmp_path):
     d = _shard_dir(tmp_path)
     (d / "model.safetensors.index.json").unlink()
@@ -591,6 +645,13 @@ BAD = [
     _end_beyond_file,
     _overlap,
     _offsets_backwards,
+    _tensor_named_twice,
+    _entry_field_twice,
+    _gap_between_tensors,
+    _gap_at_start,
+    _trailing_bytes,
+    _metadata_not_a_mapping,
+    _metadata_value_not_a_string,
     _unknown_dtype,
     _entry_missing_fields,
     _bad_shape,
@@ -602,6 +663,7 @@ BAD = [
     _index_wrong_shard,
     _index_not_json,
     _index_points_outside,
+    _index_names_a_tensor_twice,
     _duplicate_across_shards,
     _corrupt_second_shard,
 ]
@@ -624,6 +686,42 @@ def test_bad_checkpoints_raise_naming_file_and_tensor(tmp_path, monkeypatch, mak
     for frag in fragments:
         assert frag in msg, (frag, msg)
     assert "\n" not in msg
+
+
+REFUSED_BY_SAFETENSORS = [
+    _tensor_named_twice,
+    _entry_field_twice,
+    _gap_between_tensors,
+    _gap_at_start,
+    _trailing_bytes,
+    _metadata_not_a_mapping,
+    _metadata_value_not_a_string,
+]
+
+
+@pytest.mark.parametrize("make", REFUSED_BY_SAFETENSORS, ids=[f.__name__.strip("_") for f in REFUSED_BY_SAFETENSORS])
+def test_wcviz_refuses_what_the_safetensors_library_refuses(tmp_path, make):
+    """The rules above are the library's own (contiguous offsets from 0 to the end of the file, a str -> str
+    ``__metadata__``, one entry per name): it refuses each of these files too."""
+    import safetensors
+
+    path, _ = make(tmp_path)
+    with pytest.raises(safetensors.SafetensorError):
+        safetensors.deserialize(path.read_bytes())
+
+
+def test_files_the_safetensors_library_writes_are_read_whole(tmp_path):
+    """Headers padded to 8 bytes by every amount, metadata, empty tensors sharing an offset: all read, every tensor."""
+    for n in range(1, 9):
+        p = tmp_path / f"lib{n}.safetensors"
+        sd = {"w" * n: torch.arange(n, dtype=torch.float32), "empty.a": torch.zeros(0, 3), "empty.b": torch.zeros(2, 0, dtype=torch.int8),
+              "mask": torch.ones(n, dtype=torch.bool), "h": torch.arange(3 * n, dtype=torch.bfloat16)}  # fmt: skip
+        save_file(sd, str(p), metadata={"format": "pt", "note": "x" * n})
+        hlen = struct.unpack("<Q", p.read_bytes()[:8])[0]
+        assert hlen % 8 == 0
+        entries = st.read_header(p)
+        assert sorted(e.name for e in entries) == sorted(sd)
+        assert _digests(from_safetensors(p, progress=False)) == _digests(from_state_dict(load_file(str(p))))
 
 
 def test_file_truncated_while_reading_raises_naming_tensor(tmp_path, monkeypatch):

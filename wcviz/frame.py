@@ -39,8 +39,10 @@ never a value that could match another garbage value.
 
 from __future__ import annotations
 
+import csv
 import functools
 import json
+import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -177,12 +179,16 @@ def _coerce(df: pd.DataFrame, source: str) -> pd.DataFrame:
                 arr = s.array.copy()
             elif dtype == _STR:
                 arr = _as_strings(s)
+            elif dtype == "Int64":
+                arr = _as_int64(s, col, source)
             else:
                 arr = pd.to_numeric(s, errors="raise").astype(dtype).array
             if dtype == _STR:
                 empty = arr == ""
                 if bool(empty.any()):  # an empty name or digest is a missing one (a row with none is refused below)
                     arr = pd.Series(arr).mask(pd.Series(empty)).array
+        except TableError:
+            raise
         except OverflowError:
             raise TableError(f"{source}: column {col!r} holds a number that does not fit in int64") from None
         except (TypeError, ValueError) as e:
@@ -192,6 +198,79 @@ def _coerce(df: pd.DataFrame, source: str) -> pd.DataFrame:
         if c not in COLUMNS:
             out[c] = df[c].array.copy()
     return pd.DataFrame(out, copy=False)  # every array is new: positional, nothing shared with df
+
+
+_I64_MIN, _I64_MAX = -(1 << 63), (1 << 63) - 1
+
+
+def _as_int64(s: pd.Series, col: str, source: str) -> Any:
+    """A column as an ``Int64`` array, checked before any cast: every value an integer within int64.
+
+    A bool, a fraction, an infinity or a number beyond int64 is a :class:`TableError` naming the
+    column and row (a plain cast would warn, wrap or round instead). Missing values become NA."""
+
+    def refuse(i: int, v: Any, why: str) -> TableError:
+        return TableError(f"{source}: column {col!r} holds {str(v)[:40]} in row {i}, {why}")
+
+    if s.dtype == object:
+        kind = pd.api.types.infer_dtype(s, skipna=True)
+        if kind == "empty":  # nothing but missing values (a column no row gave)
+            return _all_missing("Int64", len(s))
+        if kind == "string":  # text (a CSV read as text): parsed in one pass, then checked as numbers below
+            s = pd.to_numeric(s, errors="raise")
+        if s.dtype == object:  # Python values (a JSON table, a wire column, ints beyond uint64): exact, no float64 on the way
+            return _python_ints(s, refuse)
+    num = pd.to_numeric(s, errors="raise")
+    kind = num.dtype.kind
+    if kind == "b":
+        raise refuse(0, num.iloc[0], "not an integer (a boolean column)")
+    if kind == "i":
+        return num.astype("Int64").array
+    if kind == "u":
+        big = np.flatnonzero(np.asarray(num.fillna(0) > _I64_MAX, dtype=bool))
+        if len(big):
+            raise refuse(int(big[0]), num.iloc[int(big[0])], "a number that does not fit in int64")
+        return num.astype("Int64").array
+    if kind != "f":
+        raise TypeError(f"dtype {num.dtype} is not numeric")
+    values = num.to_numpy(dtype=np.float64, na_value=np.nan)
+    missing = np.isnan(values)
+    fraction = ~missing & (np.isinf(values) | (np.floor(values) != values))
+    outside = ~missing & ~fraction & ((values < -(2.0**63)) | (values >= 2.0**63))
+    if fraction.any():
+        i = int(np.flatnonzero(fraction)[0])
+        raise refuse(i, values[i], "not an integer")
+    if outside.any():
+        i = int(np.flatnonzero(outside)[0])
+        raise refuse(i, values[i], "a number that does not fit in int64")
+    ints = np.where(missing, 0.0, values).astype(np.int64)  # every value integral and in range: exact, no warning
+    return pd.arrays.IntegerArray(ints, missing)
+
+
+def _python_ints(s: pd.Series, refuse: Any) -> Any:
+    """An object column of Python numbers as an ``Int64`` array, value by value (exact for every int64)."""
+    values = s.to_numpy(dtype=object)
+    missing = np.asarray(pd.isna(s), dtype=bool)
+    ints = np.zeros(len(values), dtype=np.int64)
+    present = values[~missing]
+    if pd.api.types.infer_dtype(present, skipna=False) == "integer" and _I64_MIN <= min(present) and max(present) <= _I64_MAX:
+        ints[~missing] = present.astype(np.int64)  # ints only (no bools), all in range: one cast, exact
+        return pd.arrays.IntegerArray(ints, missing)
+    for i, v in enumerate(values):
+        if missing[i]:
+            continue
+        if isinstance(v, (bool, np.bool_)):
+            raise refuse(i, v, "not an integer")
+        if isinstance(v, (float, np.floating)):
+            if not (math.isfinite(v) and float(v).is_integer()):
+                raise refuse(i, v, "not an integer")
+            v = int(v)
+        if not isinstance(v, (int, np.integer)):
+            raise TypeError(f"{str(v)[:40]!r} (a {type(v).__name__}) in row {i} is not a number")
+        if not _I64_MIN <= int(v) <= _I64_MAX:
+            raise refuse(i, v, "a number that does not fit in int64")
+        ints[i] = int(v)
+    return pd.arrays.IntegerArray(ints, missing)
 
 
 def _as_strings(s: pd.Series) -> Any:
@@ -231,6 +310,8 @@ def validate(df: pd.DataFrame, source: str = "table") -> pd.DataFrame:
     """Check a frame against the schema and return it coerced; errors name the column."""
     if not isinstance(df, pd.DataFrame):
         raise TableError(f"{source}: expected a pandas DataFrame, got {type(df).__name__}")
+    if df.columns.has_duplicates:
+        raise TableError(f"{source}: column {df.columns[df.columns.duplicated()][0]!r} appears more than once")
     missing = [c for c in REQUIRED if c not in df.columns]
     if missing:
         raise TableError(f"{source}: missing required column(s) {', '.join(missing)}")
@@ -370,10 +451,26 @@ def table_text(df: pd.DataFrame, fmt: str) -> str:
     """A table as ``csv`` or ``json`` text, exactly as :func:`write_table` writes it."""
     frame = validate(df)
     if fmt == "csv":
-        return frame.to_csv(index=False)
+        # a bare \r is no line end to the csv writer (it only quotes what holds its "\n"), but it is one to every
+        # reader: a table holding one quotes every text field, so it reads back unchanged (others stay as they were)
+        return frame.to_csv(index=False, quoting=csv.QUOTE_NONNUMERIC if _holds_cr(frame) else csv.QUOTE_MINIMAL)
     if fmt == "json":
         return _to_json(frame) + "\n"
     raise TableError(f"unknown text format {fmt!r}; use csv or json")
+
+
+def _holds_cr(frame: pd.DataFrame) -> bool:
+    """Whether a text cell (or a column name) of ``frame`` holds a carriage return."""
+    if any("\r" in str(c) for c in frame.columns):
+        return True
+    for col in frame.columns:
+        s = frame[col]
+        if pd.api.types.is_string_dtype(s.dtype) and s.dtype != object:
+            if bool(s.str.contains("\r", regex=False).fillna(False).any()):
+                return True
+        elif s.dtype == object and bool(s.map(lambda v: isinstance(v, str) and "\r" in v).any()):
+            return True
+    return False
 
 
 def _to_json(frame: pd.DataFrame) -> str:
@@ -386,6 +483,45 @@ def _to_json(frame: pd.DataFrame) -> str:
     return json.dumps(records, indent=1, default=lambda o: o.item() if hasattr(o, "item") else str(o))
 
 
+def _refuse_repeated_csv_columns(path: Path) -> None:
+    """A CSV header naming a column twice is refused (pandas would rename the second ``digest.1`` and use the first)."""
+    try:
+        head = pd.read_csv(path, header=None, nrows=1, dtype="object", keep_default_na=False)
+    except pd.errors.EmptyDataError:
+        return  # no header at all: read_csv says so, with the file's name
+    names = [str(v) for v in head.iloc[0].tolist()] if len(head) else []
+    seen: set[str] = set()
+    for name in names:
+        if name in seen:
+            raise TableError(f"{path}: column {name!r} appears more than once in the header")
+        seen.add(name)
+
+
+class _Record(dict):  # type: ignore[type-arg]
+    """A JSON object as :func:`read_table` parses it: ``repeated`` holds the keys it was given more than once."""
+
+    repeated: tuple[str, ...] = ()
+
+
+def _record(found: list[str], pairs: list[tuple[str, Any]]) -> _Record:
+    rec = _Record(pairs)
+    if len(rec) != len(pairs):
+        counts: dict[str, int] = {}
+        for k, _ in pairs:
+            counts[k] = counts.get(k, 0) + 1
+        rec.repeated = tuple(k for k, n in counts.items() if n > 1)
+        found.append(rec.repeated[0])
+    return rec
+
+
+def _refuse_repeated_keys(path: Path, records: list[Any], first: str) -> None:
+    """A JSON table whose record gives a column twice is refused, naming the column and record (json keeps the last)."""
+    for i, rec in enumerate(records):
+        if getattr(rec, "repeated", ()):
+            raise TableError(f"{path}: record {i} gives column {rec.repeated[0]!r} more than once")
+    raise TableError(f"{path}: a JSON object in the table gives key {first!r} more than once")
+
+
 def read_table(path: str | Path) -> pd.DataFrame:
     """Read a table written by :func:`write_table` (or any file with the required columns)."""
     path = Path(path)
@@ -394,6 +530,7 @@ def read_table(path: str | Path) -> pd.DataFrame:
         raise TableError(f"{path}: no such file")
     try:
         if suffix == ".csv":
+            _refuse_repeated_csv_columns(path)
             try:
                 df = pd.read_csv(path, dtype={c: ("object" if t == _STR else t) for c, t in COLUMNS.items()}, keep_default_na=False, na_values=[""])
             except (TypeError, ValueError, OverflowError):  # a value its column cannot hold: read as text so validate names the column
@@ -401,12 +538,15 @@ def read_table(path: str | Path) -> pd.DataFrame:
         elif suffix == ".parquet":
             df = pd.read_parquet(path)
         elif suffix == ".json":
+            repeated: list[str] = []
             try:
-                records = json.loads(path.read_text())
+                records = json.loads(path.read_text(), object_pairs_hook=functools.partial(_record, repeated))
             except RecursionError:
                 raise TableError(f"{path}: not a readable json table: it nests too deeply") from None
             if not isinstance(records, list):
                 raise TableError(f"{path}: not a table: expected a JSON list of records, got a JSON {type(records).__name__}")
+            if repeated:
+                _refuse_repeated_keys(path, records, repeated[0])
             df = empty_frame() if records == [] else pd.DataFrame.from_records(records)
         else:
             raise TableError(f"{path}: unknown table format {suffix or '(no suffix)'}; use one of {', '.join(TABLE_SUFFIXES)}")

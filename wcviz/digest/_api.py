@@ -398,7 +398,7 @@ def digest_timed(
     devices: list[Any] = []
     kinds: dict[Any, str] = {}  # device -> its type ("cpu", "cuda", ...): ``device.type`` makes a new str each time
     for name, t in items:  # every input is checked before any work is done
-        if not isinstance(t, torch.Tensor) or t.layout is not strided:
+        if not isinstance(t, torch.Tensor) or t.layout is not strided or t.is_nested:
             _lanes.check_digestible(t, name)  # raises, naming what is wrong
         device = t.device
         kind = kinds.get(device)

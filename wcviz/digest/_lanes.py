@@ -30,6 +30,11 @@ def check_digestible(t: object, name: str | None = None) -> None:
 
     if not isinstance(t, torch.Tensor):
         raise DigestError(f"{_label(name)} is a {type(t).__name__}, not a torch.Tensor")
+    if t.is_nested:  # layout strided or jagged: either way no one flat buffer of elements
+        raise DigestError(
+            f"{_label(name)} is a nested tensor (layout {t.layout}); digest its components "
+            "(t.unbind()) separately"
+        )
     if t.layout != torch.strided:
         raise DigestError(
             f"{_label(name)} is not dense (layout {t.layout}); digest t.to_dense() or its "

@@ -90,21 +90,105 @@ def read_header(path: str | Path) -> list[TensorEntry]:
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read: {e.strerror or e}") from None
     try:
-        header = json.loads(raw)
+        header = _loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{path}: header is not valid JSON ({e}): corrupt or not safetensors") from None
     except RecursionError:
         raise CheckpointError(f"{path}: header nests JSON too deeply to be a safetensors header") from None
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: header is a JSON {type(header).__name__}, not an object")
+    _refuse_repeated_keys(path, header)
+    _check_metadata(path, header.get("__metadata__"))
     data_start = 8 + hlen
     data_size = size - data_start
     entries = [_entry(path, name, spec, data_start, data_size) for name, spec in header.items() if name != "__metadata__"]
-    entries.sort(key=lambda e: e.start)
-    for a, b in zip(entries, entries[1:]):
-        if b.start < a.start + a.nbytes:
-            raise CheckpointError(f"{path}: header lies: tensors {a.name!r} and {b.name!r} overlap in the file")
+    entries.sort(key=lambda e: (e.start, e.nbytes))  # as safetensors does: by data_offsets
+    _check_coverage(path, entries, data_start, data_size)
     return entries
+
+
+class _Object(dict):  # type: ignore[type-arg]
+    """A JSON object as parsed by :func:`_loads`: ``repeated`` holds the keys it was given more than once."""
+
+    repeated: tuple[str, ...] = ()
+
+
+def _object(pairs: list[tuple[str, Any]]) -> _Object:
+    obj = _Object(pairs)
+    if len(obj) != len(pairs):
+        counts: dict[str, int] = {}
+        for k, _ in pairs:
+            counts[k] = counts.get(k, 0) + 1
+        obj.repeated = tuple(k for k, n in counts.items() if n > 1)
+    return obj
+
+
+def _loads(raw: bytes | str) -> Any:
+    """``json.loads`` whose objects remember repeated keys (plain ``json`` silently keeps the last one)."""
+    return json.loads(raw, object_pairs_hook=_object)
+
+
+def _repeated_anywhere(value: Any) -> str | None:
+    """The first key repeated in any object nested in ``value`` (iteratively: a deep value is no RecursionError)."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, dict):
+            repeated: tuple[str, ...] = getattr(v, "repeated", ())
+            if repeated:
+                return repeated[0]
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+    return None
+
+
+def _refuse_repeated_keys(path: Path, header: dict[str, Any]) -> None:
+    """A key given twice is refused, naming it: a second entry for a tensor would hide the first one's bytes."""
+    if getattr(header, "repeated", ()):
+        name = header.repeated[0]  # type: ignore[attr-defined]
+        what = "__metadata__" if name == "__metadata__" else f"tensor {name!r}"
+        raise CheckpointError(f"{path}: header lists {what} more than once; safetensors refuses such a file")
+    for name, spec in header.items():
+        key = _repeated_anywhere(spec)
+        if key is not None:
+            where = "__metadata__" if name == "__metadata__" else f"tensor {name!r}"
+            raise CheckpointError(f"{path}: {where}: header entry gives key {key!r} more than once")
+
+
+def _check_metadata(path: Path, meta: Any) -> None:
+    """``__metadata__``, when present, maps strings to strings (as the safetensors library requires)."""
+    if meta is None:
+        return
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{path}: __metadata__ is a JSON {type(meta).__name__}, not an object of strings")
+    for k, v in meta.items():
+        if not isinstance(v, str):
+            shown = f"{str(v)[:60]} (a JSON {'null' if v is None else type(v).__name__})"
+            raise CheckpointError(f"{path}: __metadata__ key {k!r} holds {shown}, not a string")
+
+
+def _check_coverage(path: Path, entries: list[TensorEntry], data_start: int, data_size: int) -> None:
+    """The tensors, in offset order, tile the data exactly: each begins where the one before ends, the first at 0,
+    the last at the end of the file (the safetensors library's rule); a gap or trailing bytes are in no tensor."""
+    end, last = 0, None
+    for e in entries:
+        begin = e.start - data_start
+        if begin < end and last is not None:  # (end > 0: some tensor came before)
+            raise CheckpointError(f"{path}: header lies: tensors {last.name!r} and {e.name!r} overlap in the file")
+        if begin > end:
+            after = f"after tensor {last.name!r}" if last is not None else "at the start of the data"
+            raise CheckpointError(
+                f"{path}: tensor {e.name!r}: header leaves bytes {end}-{begin} of the data {after} in no tensor "
+                "(file not fully covered; safetensors refuses it)"
+            )
+        end, last = begin + e.nbytes, e
+    if end != data_size:
+        after = f"after tensor {last.name!r}" if last is not None else "and the header lists no tensor"
+        raise CheckpointError(
+            f"{path}: {data_size - end} trailing bytes {after}: the header's tensors end at byte {end} of the "
+            f"{data_size} bytes of data (file not fully covered; safetensors refuses it)"
+        )
 
 
 def _entry(path: Path, name: str, spec: Any, data_start: int, data_size: int) -> TensorEntry:
@@ -178,12 +262,19 @@ def checkpoint_files(path: str | Path) -> list[Path]:
 
 def _weight_map(index: Path) -> dict[str, str]:
     try:
-        data = json.loads(index.read_text())
+        data = _loads(index.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{index}: not a readable index ({e})") from None
     except RecursionError:
         raise CheckpointError(f"{index}: not a readable index (its JSON nests too deeply)") from None
     wm = data.get("weight_map") if isinstance(data, dict) else None
+    twice: tuple[str, ...] = getattr(wm, "repeated", ()) if isinstance(wm, dict) else ()
+    if twice:
+        name = twice[0]
+        raise CheckpointError(f"{index}: weight_map lists tensor {name!r} more than once; which shard holds it is ambiguous")
+    repeated = _repeated_anywhere(data)
+    if repeated is not None:
+        raise CheckpointError(f"{index}: gives key {repeated!r} more than once in one JSON object; which one counts is ambiguous")
     if not isinstance(wm, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in wm.items()):
         raise CheckpointError(f"{index}: has no weight_map of tensor name -> file name")
     outside = sorted({f for f in wm.values() if Path(f).name != f or f in ("", ".", "..")})
