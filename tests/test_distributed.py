@@ -78,6 +78,10 @@ def _scenarios(rank: int, sub: Any, short: Any) -> list[tuple[str, Any]]:
     def duplicate() -> Any:  # ranks 1 and 2 both claim to be rank 1
         return gather_frame(frame(role="trainer", rank=1 if rank == 2 else rank), dst=0)
 
+    def duplicate_disjoint() -> Any:  # rank 2 claims rank 1 with names rank 1 does not send: no row repeats
+        f = frame(role="trainer", rank=1 if rank == 2 else rank)
+        return gather_frame(f.assign(name=f["name"] + ".pp1") if rank == 2 else f, dst=0)
+
     def bad_frame() -> Any:
         f = frame(role="trainer", rank=rank)
         return gather_frame(f.drop(columns=["digest"]) if rank == 2 else f, dst=1)
@@ -95,6 +99,7 @@ def _scenarios(rank: int, sub: Any, short: Any) -> list[tuple[str, Any]]:
         ("world dst 0", world_dst0),
         ("reversed identity", reversed_identity),
         ("duplicate", duplicate),
+        ("duplicate, disjoint names", duplicate_disjoint),
         ("bad frame", bad_frame),
         ("undigestible", undigestible),
         ("dead", dead),
@@ -273,10 +278,16 @@ def test_two_ranks_claiming_one_identity_is_an_error_naming_both_on_every_rank(w
         err = rec(world, "duplicate", rank).get("error")
         assert err is not None, f"rank {rank} did not raise"
         assert err["type"] == "TableError"
-        assert (
-            "ranks 1 and 2 both sent rows for (role=trainer, rank=1, name=model.embed_tokens.weight" in err["message"]
-        )
+        assert "ranks 1 and 2 both claim (role=trainer, rank=1)" in err["message"]
         assert "rank=0" not in err["message"] and "rank=2" not in err["message"]
+
+
+def test_two_ranks_claiming_one_identity_fail_even_when_no_row_repeats(world):
+    """A TP x PP job that left ``pp`` out: two stages' disjoint names used to fold into one rank holding both."""
+    for rank in range(WORLD):
+        err = rec(world, "duplicate, disjoint names", rank).get("error")
+        assert err is not None and err["type"] == "TableError", f"rank {rank} did not raise"
+        assert "two members claim one rank identity" in err["message"] and "ranks 1 and 2 both claim (role=trainer, rank=1)" in err["message"]
 
 
 def test_a_bad_frame_on_one_rank_makes_every_rank_raise_naming_it(world):

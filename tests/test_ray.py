@@ -70,6 +70,11 @@ class ShardWorker(WcvizWorkerExtension):
     def not_rows(self) -> str:
         return "hello"
 
+    def inner_timeout(self) -> None:
+        import ray
+
+        raise ray.exceptions.GetTimeoutError("a ray.get of its own, inside the method, timed out")
+
 
 @pytest.fixture(scope="module")
 def ray() -> Iterator[Any]:
@@ -132,6 +137,14 @@ def test_a_method_that_raises_is_failed_under_the_actors_identity(actors: list[A
     assert "not {'info'" not in bad.failed["error"].iloc[0] and "did not give a list of row dicts" in bad.failed["error"].iloc[0]
     missing = from_ray_actors(actors[:1], "no_such_method")
     assert "could not call it" in missing.failed["error"].iloc[0] and missing.failed["rank"].iloc[0] == 0
+
+
+def test_a_method_raising_a_timeout_of_its_own_is_failed_not_hung(actors: list[Any]) -> None:
+    """Ray 2.60 raises ``RayTaskError.as_instanceof_cause()``: a class that is also a GetTimeoutError here. The
+    actor answered at once; the method failed. Not "no result within 30 s", not unreachable."""
+    res = from_ray_actors(actors[:1], "inner_timeout", timeout_s=30)
+    assert res.failed["kind"].tolist() == ["failed"], res.summary
+    assert "the method raised GetTimeoutError: a ray.get of its own, inside the method, timed out" in res.failed["error"].iloc[0]
 
 
 def test_a_result_not_collected_in_time_is_unreachable_never_a_pass(actors: list[Any]) -> None:

@@ -235,9 +235,27 @@ def _combine(gathered: Sequence[Any], ranks: Sequence[int]) -> pd.DataFrame:
     if not non_empty:
         return empty_frame()
     combined = pd.concat(non_empty, ignore_index=True)
+    _check_one_sender(combined)
     _check_unique(combined)
     combined = combined.sort_values([*_ORDER, _SRC], kind="stable", na_position="last")
     return validate(combined.drop(columns=[_SRC]).reset_index(drop=True), source="gathered frames")
+
+
+def _check_one_sender(frame: pd.DataFrame) -> None:
+    """A TableError naming every rank identity that two members sent rows for: two processes claiming one
+    rank (a TP x PP job that left out ``pp``, say) would otherwise fold into one rank holding both halves."""
+    ident = [k for k in _KEY if k not in ("name", "phase")]
+    senders = frame.groupby(ident, dropna=False, sort=False)[_SRC].unique()
+    clashes = [(key, sorted(int(s) for s in srcs)) for key, srcs in senders.items() if len(srcs) > 1]
+    if not clashes:
+        return
+    lines = [f"ranks {', '.join(map(str, m[:-1]))} and {m[-1]} {'both' if len(m) == 2 else 'all'} claim ({_describe(key)})" for key, m in clashes]
+    more = f"; and {len(lines) - _SHOWN} more" if len(lines) > _SHOWN else ""
+    raise TableError(
+        "gather_frame: two members claim one rank identity (give each process its own rank and coordinates): "
+        + "; ".join(lines[:_SHOWN])
+        + more
+    )
 
 
 def _check_unique(frame: pd.DataFrame) -> None:

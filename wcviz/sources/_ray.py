@@ -85,14 +85,16 @@ def _gather(ray: Any, calls: dict[str, Any], timeout_s: float) -> dict[str, tupl
     for label, ref in refs.items():
         try:
             outcomes[label] = ("ok", ray.get(ref, timeout=max(0.0, deadline - time.monotonic())))
+        except ray.exceptions.RayTaskError as e:  # first: Ray 2.60 raises ``as_instanceof_cause()``, a class that
+            # also inherits the cause's (ray/exceptions.py RayTaskError.as_instanceof_cause), so a method that raised a
+            # GetTimeoutError or an ActorDiedError of its own would otherwise read as this actor hung or dead
+            cause = getattr(e, "cause", None)
+            what = f"{type(cause).__name__}: {cause}" if isinstance(cause, BaseException) else _first_line(e)
+            outcomes[label] = ("failed", f"the method raised {what}")
         except ray.exceptions.GetTimeoutError:
             outcomes[label] = ("unreachable", f"no result within {timeout_s} s (the actor is busy or hung)")
         except ray.exceptions.RayActorError as e:
             outcomes[label] = ("unreachable", f"the actor died: {_first_line(e)}")
-        except ray.exceptions.RayTaskError as e:
-            cause = getattr(e, "cause", None)
-            what = f"{type(cause).__name__}: {cause}" if isinstance(cause, BaseException) else _first_line(e)
-            outcomes[label] = ("failed", f"the method raised {what}")
         except Exception as e:  # noqa: BLE001 - anything else Ray raises: a failure, never a pass
             outcomes[label] = ("failed", f"{type(e).__name__}: {_first_line(e)}")
     return outcomes
