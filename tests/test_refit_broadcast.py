@@ -189,7 +189,14 @@ def _scenarios() -> list[dict[str, Any]]:
             {"name": f"partial {mode}", "verify": mode, "send": subset, "send_kwargs": {"partial": True}},
             {"name": f"expected {mode}", "verify": mode, "send": subset[:3], "send_kwargs": {"expected": [*subset[:3], NORM]}},
         ]
+    nothing_declared = {rank: {n: None for n, _, _ in SPECS} for rank in ENGINES}  # released or offloaded weights
     out += [
+        {"name": f"empty engines {mode}", "verify": mode, "send": [], "drift": nothing_declared} for mode in ("log", "enforce")
+    ]
+    out += [
+        {"name": "partial nothing enforce", "verify": "enforce", "send": [], "send_kwargs": {"partial": True}},
+        # rank 2 declares one more parameter after prepare: the sender must not check it against the old metadata
+        {"name": "metadata changed after prepare", "verify": "enforce", "stale": 2},
         {"name": "no digests", "verify": "log", "engine_verify": {2: "off"}},
         {"name": "drift same size", "verify": "log", "drift": {2: {GATE: ((16, 32), F32)}}},
         # rank 2: k_proj's aligned size changes and model.steps is unknown (its walk fails); rank 1: v_proj
@@ -326,6 +333,8 @@ def _run_engine(rank: int, sc: dict[str, Any], group: Any, q: Any) -> dict[str, 
         timeout_s=sc.get("barrier_timeout_s"),
     )
     receiver.prepare()
+    if sc.get("stale") == rank:
+        receiver.metadata = {**receiver.metadata, "model.extra.weight": _packing.Meta((3,), "float32")}
     if sc.get("dead") == rank and not sc.get("subgroup"):
         q.put(("dying", rank, sc["name"]))
         q.close()
@@ -537,6 +546,41 @@ def test_a_stated_partial_refit_expects_exactly_what_it_says(world, mode):
     listed = rec(world, f"expected {mode}", 0)  # three sent, four expected: the fourth is missing
     assert listed["bad"] == {rank: {"missing": (NORM,)} for rank in ENGINES}
     assert listed["ok"] is False and (mode == "log") is ("error" not in listed)
+
+
+@pytest.mark.parametrize("mode", ["log", "enforce"])
+def test_engines_that_declare_nothing_are_not_a_verified_refit(world, mode):
+    """An empty refit to engines with no parameters was "refit of 0 parameters verified" on every rank."""
+    sent = rec(world, f"empty engines {mode}", 0)
+    assert sent["ok"] is False and sent["verified"] is True and sent["ranks"] == list(ENGINES)
+    if mode == "enforce":
+        assert sent["error"]["type"] == "BroadcastDigestMismatch", sent.get("error")
+        message = sent["error"]["message"]
+    else:
+        assert "error" not in sent, sent.get("error")
+        message = " ".join(sent["warnings"])
+    for rank in ENGINES:
+        assert f"rank {rank}: refit verified nothing, not ok: the receiver declares no parameters" in message
+    assert "every digest matches" not in message
+
+
+def test_a_stated_partial_refit_of_nothing_is_not_verified_on_any_engine(world):
+    sent = rec(world, "partial nothing enforce", 0)
+    assert sent["ok"] is False and sent["error"]["type"] == "BroadcastDigestMismatch", sent.get("error")
+    assert all(f"rank {rank}: refit verified nothing" in sent["error"]["message"] for rank in ENGINES)
+    assert "none was expected" in sent["error"]["message"]
+
+
+def test_an_engine_whose_metadata_changed_after_prepare_is_named_not_passed(world):
+    """Rank 2 declares one more parameter after prepare; the sender knew only the old metadata."""
+    sent = rec(world, "metadata changed after prepare", 0)
+    assert sent["error"]["type"] == "RefitProtocolError", sent.get("error")
+    assert "rank 2: this engine's metadata changed since prepare()" in sent["error"]["message"]
+    assert "rank 1" not in sent["error"]["message"]
+    stale = rec(world, "metadata changed after prepare", 2)
+    assert stale["error"]["type"] == "RefitProtocolError" and "changed since prepare" in stale["error"]["message"]
+    assert set(stale["state"]) - {"model.extra.weight"} <= differing(stale["state"]) | {BIAS}  # nothing loaded there
+    assert differing(rec(world, "metadata changed after prepare", 1)["state"]) == set()
 
 
 def test_an_engine_that_sends_no_digests_is_a_protocol_error_naming_it(world):

@@ -251,12 +251,40 @@ def test_timeout_accepted(value, want):
     assert cfg.timeout_s == want and type(cfg.timeout_s) is float
 
 
+TIMEOUT_RULE = "it must be a finite number of seconds > 0 and at most 2147483 (about 24.8 days)"
+
+
 @pytest.mark.parametrize(
-    "value", [True, False, 0, 0.0, -1, -0.5, float("nan"), float("inf"), "60", None, [60]], ids=repr
+    "value", [True, False, 0, 0.0, -1, -0.5, float("nan"), float("inf"), "60", None, [60], 1e300, 2147484], ids=repr
 )
 def test_timeout_rejected(value):
     msg = error_of({"timeout_s": value})
-    assert msg == f"invalid value for timeout_s: {value!r}; it must be a finite number of seconds > 0"
+    assert msg == f"invalid value for timeout_s: {value!r}; {TIMEOUT_RULE}"
+
+
+def test_timeout_up_to_what_zmq_can_wait_is_accepted():
+    """ZMQ's poll takes an int of milliseconds: the largest timeout is 2**31 - 1 ms, rounded down to a second."""
+    assert parse_refit_config({"timeout_s": 2147483}).timeout_s == 2147483.0
+
+
+@pytest.mark.parametrize("value", [-1, 0, float("inf"), float("nan"), 1e20, True], ids=repr)
+def test_transports_refuse_a_timeout_zmq_or_gloo_cannot_honour(value):
+    """A negative timeout made ZMQ wait forever (a hang); inf, NaN, 1e20 escaped as OverflowError/ValueError."""
+    from datetime import timedelta
+
+    from wcviz.refit import IPCReceiver, IPCSender, RefitConfigError
+    from wcviz.refit._group import _timeout
+
+    with pytest.raises(RefitConfigError, match=r"invalid value for timeout_s: .*finite number of seconds > 0"):
+        IPCSender(verify="log", timeout_s=value)
+    with pytest.raises(RefitConfigError, match="invalid value for timeout_s"):
+        IPCReceiver("ipc:///nonexistent/x.sock", {}, lambda batch: None, timeout_s=value)
+    if not isinstance(value, bool):
+        with pytest.raises(RefitConfigError, match="invalid value for timeout_s"):
+            _timeout(value)  # the broadcast transports' barrier timeout
+    with pytest.raises(RefitConfigError, match="invalid value for timeout_s"):
+        _timeout(timedelta(seconds=-1))
+    assert _timeout(None) is None and _timeout(2.5) == timedelta(seconds=2.5)
 
 
 def test_knobs_validated_at_model_construction():

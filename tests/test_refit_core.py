@@ -128,6 +128,40 @@ def test_enforce_passes_when_intact(sides):
     assert r.ok and r.mode == "enforce" and r.nbytes == 7
 
 
+def test_a_comparison_of_nothing_is_never_verified(caplog):
+    """Nothing sent, expected or received: not "verified: every digest matches" but not ok, said so; enforce raises."""
+    with caplog.at_level(logging.WARNING, logger="wcviz.refit"):
+        r = verify_digests("log", {}, {})
+    assert r.empty and not r.ok and r.bad == []
+    assert "verified nothing" in r.describe() and "every digest matches" not in r.describe()
+    assert any("verified nothing" in w for w in refit_warnings(caplog))
+    with pytest.raises(RefitDigestMismatch, match="verified nothing") as err:
+        verify_digests("enforce", {}, {})
+    assert err.value.result.empty
+
+
+@pytest.mark.parametrize(
+    ("declared", "expected", "why"),
+    [(0, None, "the receiver declares no parameters"), (3, [], "no parameter was sent and none was expected")],
+    ids=["empty-receiver", "partial-of-nothing"],
+)
+def test_an_empty_receiver_or_an_empty_partial_refit_is_named(declared, expected, why):
+    with pytest.raises(RefitDigestMismatch, match=why):
+        verify_digests("enforce", {}, {}, expected=expected, declared=declared)
+    r = verify_digests("log", {}, {}, expected=expected, declared=declared)
+    assert not r.ok and r.declared == declared and why in r.describe()
+    off = verify_digests("off", {}, {}, expected=expected, declared=declared)
+    assert not off.ok and not off.empty and "not verified" in off.describe()
+
+
+def test_one_parameter_checked_is_not_empty(sides):
+    sender, _ = sides
+    one = {"a": sender["a"]}
+    assert verify_digests("enforce", one, dict(one), declared=1).ok
+    missing = verify_digests("log", {}, {}, expected=["a"], declared=1)  # declared, never sent: missing, not empty
+    assert not missing.empty and missing.missing == ("a",)
+
+
 def test_digest_mismatch_survives_pickling(sides):
     # raised on one side of a process boundary, reported on the other
     sender, receiver = sides
@@ -569,7 +603,7 @@ def test_pack_into_a_too_small_buffer_fails():
 def test_packing_exports():
     assert set(_packing.__all__) == {
         "ALIGN", "aligned", "Bucket", "plan", "walk", "pack", "unpack", "Meta", "NamedTensors", "metadata", "metadata_of",
-        "named_tensors", "nbytes",
+        "named_tensors", "nbytes", "fingerprint", "framing_problems",
     }  # fmt: skip
 
 

@@ -433,7 +433,10 @@ def test_one_receiver_serves_refit_after_refit(worker: Worker) -> None:
     second = {n: t + 1 if t.is_floating_point() else t * 2 for n, t in MODEL.items()}
     run = refit(worker, MODEL, second, serves=2)
     assert run.errors == [None, None] and all(r is not None and r.ok for r in run.results)
-    assert [m["op"] for d, m in run.wire if d == "send"].count("prepare") == 1  # asked once
+    prepares = [m for d, m in run.wire if d == "send" and m["op"] == "prepare"]
+    assert len(prepares) == 2 and "known" in prepares[1]  # asked every refit, with what the sender already holds
+    infos = [m for d, m in run.wire if d == "recv" and m["op"] == "info"]
+    assert "metadata" in infos[0] and infos[1] == {"op": "info", "unchanged": True}  # the metadata travelled once
     assert_arrived(run.report, second)
     assert_clean(run)
 
@@ -553,11 +556,36 @@ def test_framing_drift_is_refused_before_anything_is_sent(
     assert_clean(run)
 
 
-def test_receiver_refuses_a_batch_that_does_not_add_up(worker: Worker) -> None:
-    """The sender prepared against one receiver; a receiver with another model answers the next refit."""
+class _UncheckedSender(IPCSender):
+    """A sender with a bug: it never checks its tensors against the receiver's metadata before sending."""
+
+    def _check_framing(self, tensors: Any, metadata: Any) -> None:
+        pass
+
+
+def test_a_restarted_receiver_with_another_model_is_prepared_anew(worker: Worker) -> None:
+    """A receiver at the same address now declares another size: the next send learns it and refuses up front."""
     name = "model.layers.1.mlp.down_proj.weight"
     wire: list[tuple[str, dict[str, Any]]] = []
     with IPCSender(verify="log", buffer_bytes=BUFFER, timeout_s=10, wire_log=wire) as sender:
+        worker.start(sender.address)
+        assert sender.send(MODEL).ok
+        assert worker.report()["error"] is None
+        worker.start(sender.address, metadata={**META, name: ((32, 32), "float32")})
+        with pytest.raises(RefitProtocolError, match=rf"not started: byte sizes differ for {name} .*\[32, 32\]"):
+            sender.send(MODEL)
+        assert sender.send({**MODEL, name: MODEL[name][:, :32]}).ok  # what it declares now arrives intact
+        report = worker.report()
+    assert report["error"] is None and sender.metadata is not None and sender.metadata[name].shape == (32, 32)
+    first = len(BUCKETS) + 2  # the first refit: prepare, its batches, COMPLETE
+    assert [m["op"] for d, m in wire if d == "send"][first : first + 3] == ["prepare", "prepare", "batch"]
+
+
+def test_receiver_refuses_a_batch_that_does_not_add_up(worker: Worker) -> None:
+    """A sender that does not check framing (a bug) sends a batch this receiver's metadata slices otherwise."""
+    name = "model.layers.1.mlp.down_proj.weight"
+    wire: list[tuple[str, dict[str, Any]]] = []
+    with _UncheckedSender(verify="log", buffer_bytes=BUFFER, timeout_s=10, wire_log=wire) as sender:
         worker.start(sender.address)
         assert sender.send(MODEL).ok
         assert worker.report()["error"] is None
@@ -861,11 +889,24 @@ def test_an_impossible_expected_list_is_refused_before_anything_is_sent() -> Non
         ({"expected": [NORM]}, {DROP: MODEL[DROP], NORM: MODEL[NORM]}, f"outside the expected names: .*{DROP}"),
         ({"partial": True, "expected": list(SUBSET)}, SUBSET, "not both"),
     ]
-    with IPCSender(verify="log", timeout_s=1) as sender:
-        for kwargs, tensors, why in cases:
-            sender.metadata = dict(META)  # as prepare() would have learnt it; nothing is sent below
-            with pytest.raises(ValueError, match=why):
-                sender.send(tensors, **kwargs)
+    import threading
+
+    wire: list[tuple[str, dict[str, Any]]] = []
+    served: list[Any] = []
+    with IPCSender(verify="log", timeout_s=10, wire_log=wire) as sender:
+        receiver = IPCReceiver(sender.address, META, lambda batch: None, verify="log", timeout_s=10)
+        engine = threading.Thread(target=lambda: served.append(receiver.serve()))
+        engine.start()
+        try:
+            for kwargs, tensors, why in cases:
+                with pytest.raises(ValueError, match=why):
+                    sender.send(tensors, **kwargs)
+            assert sender.send(SUBSET, partial=True).ok  # the receiver is still at the start of its stream
+        finally:
+            engine.join(20)
+            receiver.close()
+    ops = [m["op"] for d, m in wire if d == "send"]
+    assert ops[: len(cases) + 1] == ["prepare"] * (len(cases) + 1) and served and set(served[0]) == set(SUBSET)
 
 
 def test_one_element_strided_views_travel_like_their_copies(worker: Worker) -> None:
@@ -964,9 +1005,10 @@ def test_a_receiver_refuses_a_malformed_batch_naming_it(tmp_path: Path, message:
     replies: list[Any] = []
 
     def evil_sender() -> None:
-        req.send(json.dumps(message).encode())
-        if req.poll(5000):
-            replies.append(json.loads(req.recv()))
+        for msg in ({"op": "prepare"}, message):  # a stream begins with prepare: then the malformed batch
+            req.send(json.dumps(msg).encode())
+            if req.poll(5000):
+                replies.append(json.loads(req.recv()))
 
     peer = threading.Thread(target=evil_sender)
     peer.start()
@@ -978,7 +1020,7 @@ def test_a_receiver_refuses_a_malformed_batch_naming_it(tmp_path: Path, message:
         peer.join(10)
         req.close(0)
         ctx.term()
-    assert replies and replies[0]["ok"] is False and why in replies[0]["error"]
+    assert replies[0]["op"] == "info" and replies[1]["ok"] is False and why in replies[1]["error"]
 
 
 def test_a_cuda_handle_travels_as_plain_json_and_rebuilds_the_same_args() -> None:
@@ -1002,3 +1044,159 @@ def test_a_cuda_handle_travels_as_plain_json_and_rebuilds_the_same_args() -> Non
                 {**wire, "key": "wcviz_1_../../x"}, {**wire, "extra": 1}):  # fmt: skip
         with pytest.raises(HandleError):
             BufferHandle.from_wire(bad)
+
+
+# --------------------------------------------------------------------------- checked against what the receiver declares now
+
+
+def _serve_in_thread(address: str, metadata: dict[str, Any], verify: str = "log") -> tuple[Any, dict[str, Any]]:
+    """An in-process receiver serving one stream on a thread; ``out`` gets its digests or its error."""
+    import threading
+
+    out: dict[str, Any] = {"loaded": []}
+
+    def load(batch: list[tuple[str, torch.Tensor]]) -> None:
+        out["loaded"] += [n for n, _ in batch]
+
+    def run() -> None:
+        try:
+            with IPCReceiver(address, metadata, load, verify=verify, timeout_s=10) as receiver:
+                out["digests"] = receiver.serve()
+        except Exception as e:  # noqa: BLE001 -- the test reads it
+            out["error"] = e
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, out
+
+
+def test_a_new_receiver_declaring_more_is_checked_against_what_it_declares_now() -> None:
+    """One sender refits an engine declaring {a}; a restarted engine at the same address declares {a, b}.
+
+    Sending only a must not be "verified: every digest matches" against the first engine's metadata.
+    """
+    a, b = torch.randn(4, 8), torch.randn(5)
+    with IPCSender(verify="enforce", buffer_bytes=BUFFER, timeout_s=10) as sender:
+        thread, out = _serve_in_thread(sender.address, {"a": ((4, 8), "float32")}, "enforce")
+        assert sender.send({"a": a}).ok
+        thread.join(20)
+        thread, out = _serve_in_thread(sender.address, {"a": ((4, 8), "float32"), "b": ((5,), "float32")}, "enforce")
+        with pytest.raises(RefitDigestMismatch, match="declared by the receiver, never sent: b") as err:
+            sender.send({"a": a})
+        thread.join(20)
+        assert err.value.result.missing == ("b",) and out["loaded"] == ["a"] and "error" not in out
+        thread, out = _serve_in_thread(sender.address, {"a": ((4, 8), "float32"), "b": ((5,), "float32")}, "enforce")
+        assert sender.send({"a": a, "b": b}).ok  # and the whole model is verified against it
+        thread.join(20)
+
+
+@pytest.mark.parametrize("op", ["batch", "complete"])
+def test_a_receiver_refuses_a_stream_that_does_not_begin_with_prepare(tmp_path: Path, op: str) -> None:
+    """Without a prepare in the stream, the sender would be checking against metadata it learnt earlier."""
+    import json
+    import threading
+
+    import zmq
+
+    private = tmp_path / "p"
+    private.mkdir(mode=0o700)
+    address = f"ipc://{private}/refit.sock"
+    ctx = zmq.Context()
+    req = ctx.socket(zmq.REQ)
+    req.bind(address)
+    replies: list[Any] = []
+    message = {"op": op} if op == "complete" else {"op": "batch", "names": [], "used": 0, "buffer": None}
+
+    def stale_sender() -> None:
+        req.send(json.dumps(message).encode())
+        if req.poll(5000):
+            replies.append(json.loads(req.recv()))
+
+    peer = threading.Thread(target=stale_sender)
+    peer.start()
+    try:
+        with IPCReceiver(address, {"x": ((128,), "float32")}, lambda batch: None, verify="log", timeout_s=5) as rx:
+            with pytest.raises(RefitProtocolError, match=f"{op} before prepare"):
+                rx.serve()
+    finally:
+        peer.join(10)
+        req.close(0)
+        ctx.term()
+    assert replies and replies[0]["ok"] is False and "digests" not in replies[0]
+
+
+@pytest.mark.parametrize("mode", ["log", "enforce"])
+def test_a_receiver_that_declares_nothing_is_not_a_verified_refit(caplog: pytest.LogCaptureFixture, mode: str) -> None:
+    """Released or offloaded weights, a mis-wired holder: an empty refit to an empty engine is not ok, and says why."""
+    with caplog.at_level(logging.WARNING, logger="wcviz.refit"), IPCSender(verify=mode, timeout_s=10) as sender:
+        thread, out = _serve_in_thread(sender.address, {}, mode)
+        try:
+            if mode == "enforce":
+                with pytest.raises(RefitDigestMismatch, match="receiver declares no parameters") as err:
+                    sender.send({})
+                result = err.value.result
+            else:
+                result = sender.send({})
+        finally:
+            thread.join(20)
+    assert result.verified and result.empty and not result.ok and result.declared == 0
+    assert "every digest matches" not in result.describe()
+    assert mode == "enforce" or any("declares no parameters" in r.getMessage() for r in caplog.records)
+
+
+def test_a_stated_partial_refit_of_nothing_is_not_verified() -> None:
+    with IPCSender(verify="log", timeout_s=10) as sender:
+        thread, out = _serve_in_thread(sender.address, {"a": ((3,), "float32")})
+        result = sender.send({}, partial=True)
+        thread.join(20)
+    assert not result.ok and "none was expected" in result.describe() and "error" not in out
+
+
+def test_a_late_reply_to_a_request_given_up_on_is_not_the_next_reply() -> None:
+    """After a RefitTimeout, the engine's late answer to the old request must not answer the next prepare."""
+    import json
+    import threading
+
+    import zmq
+    from zmq.utils.monitor import recv_monitor_message
+
+    with IPCSender(verify="log", timeout_s=0.5) as sender:
+        ctx = zmq.Context()
+        rep = ctx.socket(zmq.REP)
+        monitor = rep.get_monitor_socket(zmq.EVENT_CONNECTED)
+        rep.connect(sender.address)
+        gave_up, ready = threading.Event(), threading.Event()
+        seen: list[Any] = []
+
+        def connected() -> bool:
+            if monitor.poll(10_000):
+                recv_monitor_message(monitor)
+                return True
+            return False
+
+        def slow_engine() -> None:
+            connected()
+            ready.set()  # connected: the sender's first request goes out (and times out waiting for its reply)
+            seen.append(json.loads(rep.recv()))  # the first prepare: answered only after the sender gave up
+            gave_up.wait(10)
+            seen.append(connected())  # the sender's new socket
+            rep.send(json.dumps({"op": "ack", "ok": True}).encode())  # the late answer to the old request
+            if rep.poll(10_000):
+                seen.append(json.loads(rep.recv()))
+                rep.send(json.dumps({"op": "info", "metadata": {"a": [[3], "float32"]}}).encode())
+
+        engine = threading.Thread(target=slow_engine)
+        engine.start()
+        try:
+            assert ready.wait(20)
+            with pytest.raises(RefitTimeout, match="the reply to prepare"):
+                sender.prepare()
+            gave_up.set()
+            assert sender.prepare() == {"a": ((3,), "float32")}
+        finally:
+            gave_up.set()
+            engine.join(20)
+            monitor.close(0)
+            rep.close(0)
+            ctx.term()
+    assert seen == [{"op": "prepare"}, True, {"op": "prepare"}]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import stat
 from typing import Any
@@ -20,6 +21,7 @@ import zmq
 
 from wcviz.refit._packing import Meta
 from wcviz.refit._shm import BufferHandle, HandleError
+from wcviz.refit.config import check_timeout
 from wcviz.refit.verify import RefitProtocolError, RefitTimeout
 
 __all__ = ["WireLog", "check_address", "checked_digests", "checked_metadata", "ControlSocket", "refused"]
@@ -117,13 +119,19 @@ def checked_digests(value: Any, address: str) -> dict[str, str] | None:
 
 
 class ControlSocket:
-    """A ZMQ socket whose every wait is bounded: a dead or hung peer is RefitTimeout, never a hang."""
+    """A ZMQ socket whose every wait is bounded: a dead or hung peer is RefitTimeout, never a hang.
+
+    A REQ socket correlates replies with requests (``ZMQ_REQ_CORRELATE``): a late
+    reply to a request this end gave up on (a timeout) is dropped, never taken as
+    the reply to the next request.
+    """
 
     def __init__(
         self, kind: int, address: str, *, bind: bool, timeout_s: float, linger_ms: int, wire_log: WireLog | None
     ):
         self.address = check_address(address)
-        self.timeout_s = timeout_s
+        self.timeout_s = check_timeout(timeout_s)
+        self._timeout_ms = max(1, math.ceil(self.timeout_s * 1000))
         self.awaiting = False  # a request went out and its reply has not come back
         self._peer = "receiver" if kind == zmq.REQ else "sender"
         self._linger_ms = linger_ms
@@ -132,6 +140,9 @@ class ControlSocket:
         self._sock = self._ctx.socket(kind)
         self._sock.setsockopt(zmq.LINGER, linger_ms)
         self._sock.setsockopt(zmq.MAXMSGSIZE, _MAX_MESSAGE)
+        if kind == zmq.REQ:
+            self._sock.setsockopt(zmq.REQ_CORRELATE, 1)
+            self._sock.setsockopt(zmq.REQ_RELAXED, 1)  # required with REQ_CORRELATE; a new request drops the old
         try:
             if bind:
                 self._sock.bind(address)
@@ -142,7 +153,7 @@ class ControlSocket:
             raise
 
     def send(self, msg: dict[str, Any], what: str) -> None:
-        if not self._sock.poll(int(self.timeout_s * 1000), zmq.POLLOUT):
+        if not self._sock.poll(self._timeout_ms, zmq.POLLOUT):
             raise RefitTimeout(
                 f"timed out after {self.timeout_s:g}s sending {what}: no {self._peer} connected at {self.address}"
             )
@@ -152,7 +163,7 @@ class ControlSocket:
             self._wire_log.append(("send", msg))
 
     def recv(self, what: str) -> dict[str, Any]:
-        if not self._sock.poll(int(self.timeout_s * 1000), zmq.POLLIN):
+        if not self._sock.poll(self._timeout_ms, zmq.POLLIN):
             raise RefitTimeout(
                 f"timed out after {self.timeout_s:g}s waiting for {what} from the {self._peer} at {self.address} "
                 f"(is it alive?)"

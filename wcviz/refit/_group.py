@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from wcviz.refit._transport import Transport
+from wcviz.refit.config import check_timeout
 from wcviz.refit.faults import FaultPlan
 from wcviz.refit.verify import RefitError, RefitTimeout
 
@@ -28,9 +29,11 @@ def group_ranks(group: dist.ProcessGroup | None) -> list[int]:
 
 
 def _timeout(timeout_s: float | timedelta | None) -> timedelta | None:
-    if timeout_s is None or isinstance(timeout_s, timedelta):
-        return timeout_s
-    return timedelta(seconds=float(timeout_s))
+    """The barrier's timeout; a negative, zero, infinite or NaN one is an error naming ``timeout_s``."""
+    if timeout_s is None:
+        return None
+    seconds = timeout_s.total_seconds() if isinstance(timeout_s, timedelta) else timeout_s
+    return timedelta(seconds=check_timeout(seconds))
 
 
 class GroupMember(Transport):

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
-    "ALIGN", "Bucket", "Meta", "NamedTensors", "aligned", "metadata", "metadata_of", "named_tensors", "nbytes", "pack",
+    "ALIGN", "Bucket", "Meta", "NamedTensors", "aligned", "fingerprint", "framing_problems", "metadata", "metadata_of", "named_tensors", "nbytes", "pack",
     "plan", "unpack", "walk",
 ]  # fmt: skip
 
@@ -52,6 +52,39 @@ def metadata_of(items: NamedTensors) -> dict[str, Meta]:
 def metadata(declared: Mapping[str, tuple[Iterable[int], Any]]) -> dict[str, Meta]:
     """Declared ``{name: (shape, dtype)}`` in its exact form (shape tuples of ints, dtype names without ``torch.``)."""
     return {name: Meta.parse(list(shape), dtype) for name, (shape, dtype) in declared.items()}
+
+
+def fingerprint(declared: Mapping[str, Meta]) -> str:
+    """SHA-256 (hex) of a receiver's declared metadata in a canonical form: names, shapes and dtypes.
+
+    Both ends compute it to learn, without sending the metadata again, whether a
+    receiver still declares what it declared when the sender learnt it.
+    """
+    import hashlib
+    import json
+
+    canonical = {name: [[int(d) for d in shape], str(dtype)] for name, (shape, dtype) in declared.items()}
+    return hashlib.sha256(json.dumps(canonical, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def framing_problems(tensors: Sequence[tuple[str, torch.Tensor]], declared: Mapping[str, Meta]) -> list[str]:
+    """What stops a receiver that ``declared`` this metadata from slicing ``tensors``: unknown names, other byte sizes.
+
+    The framing must agree for the receiver to slice the buffers; a shape or
+    dtype that drifted at the same byte size is the digest's to catch.
+    """
+    unknown = [n for n, _ in tensors if n not in declared]
+    resized = [
+        f"{n} ({Meta.of(t).describe()} here; the receiver expects {Meta(*declared[n]).describe()})"
+        for n, t in tensors
+        if n in declared and nbytes(t) != Meta(*declared[n]).nbytes
+    ]
+    problems = []
+    if unknown:
+        problems.append(f"the receiver has no parameter {', '.join(unknown)}")
+    if resized:
+        problems.append(f"byte sizes differ for {'; '.join(resized)}")
+    return problems
 
 
 def aligned(n: int) -> int:

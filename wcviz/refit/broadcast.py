@@ -18,7 +18,9 @@ Prepare (once, :meth:`BroadcastSender.prepare` / :meth:`BroadcastReceiver.prepar
 
 Stream (each :meth:`BroadcastSender.send` / :meth:`BroadcastReceiver.receive`):
 
-1. a monitored barrier (gloo only);
+1. a monitored barrier (gloo only). An engine whose metadata changed since its
+   prepare (the sender would check it against the old one) loads nothing and
+   reports that as an error: prepare again after changing it;
 2. per bucket (planned by :func:`wcviz.refit._packing.plan` over
    ``buffer_bytes``, 512-aligned offsets, a parameter larger than half the
    buffer alone in its own bucket): a header
@@ -39,10 +41,12 @@ Stream (each :meth:`BroadcastSender.send` / :meth:`BroadcastReceiver.receive`):
 The sender then raises :class:`RefitProtocolError` naming rank and parameters
 for any receiver error or size drift, and, when it verifies, for a receiver
 that sent no digests; otherwise it compares each rank's digests with its own
-(:func:`wcviz.refit.verify.check`) and returns a :class:`BroadcastResult` with
-one :class:`RefitResult` per engine rank. ``log`` warns once per bad
-parameter and rank; ``enforce`` raises :class:`BroadcastDigestMismatch` (a
-:class:`RefitDigestMismatch`) naming every bad rank and parameter.
+(:func:`wcviz.refit.verify.compare`) and returns a :class:`BroadcastResult` with
+one :class:`RefitResult` per engine rank. A rank where nothing was checked (it
+declares no parameters, or a stated partial refit sent it none) is not ok.
+``log`` warns once per bad parameter and rank; ``enforce`` raises
+:class:`BroadcastDigestMismatch` (a :class:`RefitDigestMismatch`) naming every
+bad rank and parameter.
 
 Timeouts: every collective runs under the process group's timeout (set it with
 ``init_process_group(timeout=...)`` or ``new_group(timeout=...)``); on gloo a
@@ -80,7 +84,7 @@ import torch.distributed as dist
 
 from wcviz.digest import DEFAULT_ALGO, DigestAccumulator, logical_bytes
 from wcviz.refit._group import GroupMember, group_ranks
-from wcviz.refit._packing import ALIGN, Meta, NamedTensors, metadata_of, pack, plan, unpack, walk
+from wcviz.refit._packing import ALIGN, Meta, NamedTensors, fingerprint, metadata_of, pack, plan, unpack, walk
 from wcviz.refit._packing import metadata as declared_metadata
 from wcviz.refit._packing import named_tensors as tensor_pairs
 from wcviz.refit.faults import FaultPlan, Swapper, strike
@@ -146,11 +150,13 @@ class BroadcastResult:
 
     @property
     def ok(self) -> bool:
-        """True only when every engine was verified and holds exactly what was sent."""
-        return self.verified and not self.bad
+        """True only when every engine was verified, had something checked and holds exactly what was sent."""
+        return self.verified and all(r.ok for r in self.ranks.values())
 
     def describe(self) -> str:
         """One line per engine rank, joined."""
+        if not self.ranks:
+            return f"refit of {self.params} parameters to no engine rank: nothing verified"
         return "; ".join(f"rank {rank}: {r.describe()}" for rank, r in self.ranks.items())
 
 
@@ -158,11 +164,11 @@ class BroadcastDigestMismatch(RefitDigestMismatch):
     """``enforce`` on a broadcast: some engines do not hold what was sent.
 
     ``.broadcast`` is the whole :class:`BroadcastResult`, ``.ranks`` the bad
-    ranks, ``.result`` the first bad rank's :class:`RefitResult`.
+    ranks (a mismatch, or nothing checked), ``.result`` the first bad rank's :class:`RefitResult`.
     """
 
     def __init__(self, broadcast: BroadcastResult) -> None:
-        bad = {rank: r for rank, r in broadcast.ranks.items() if r.bad}
+        bad = {rank: r for rank, r in broadcast.ranks.items() if not r.ok}
         RefitError.__init__(self, "; ".join(f"rank {rank}: {r.describe()}" for rank, r in bad.items()))
         self.broadcast = broadcast
         self.ranks = tuple(bad)
@@ -389,16 +395,25 @@ class BroadcastSender(GroupMember):
                 f"refit broadcast: verification is on but rank(s) {', '.join(map(str, silent))} sent no digests "
                 "(is verify off on that engine?)"
             )
+        if not reports:
+            raise RefitProtocolError("refit broadcast: the group has no engine rank: there is nothing to verify")
         result = BroadcastResult(
             self.mode,
             len(sent),
             nbytes,
             {
-                rank: compare(self.mode, digests, _received(rank, report["digests"]), nbytes=nbytes, expected=want[rank])
+                rank: compare(
+                    self.mode,
+                    digests,
+                    _received(rank, report["digests"]),
+                    nbytes=nbytes,
+                    expected=want[rank],
+                    declared=len((self.metadata or {}).get(rank, {})),
+                )
                 for rank, report in reports.items()
             },
         )
-        if result.bad and self.mode == "enforce":
+        if not result.ok and self.mode == "enforce":
             raise BroadcastDigestMismatch(result)
         for rank, r in result.ranks.items():
             warn(r, f"refit broadcast: rank {rank}: ")
@@ -437,6 +452,7 @@ class BroadcastReceiver(GroupMember):
         self.metadata = declared_metadata(metadata)
         self.load_weights = load_weights
         self.algo: str | None = None
+        self._prepared: str | None = None  # fingerprint of the metadata the sender learnt at prepare
 
     def _faults_here(self) -> tuple[FaultPlan, set[int]]:
         """The faults that strike here, all as receiver_before_load, and the buckets dropped on the way here.
@@ -461,6 +477,7 @@ class BroadcastReceiver(GroupMember):
         self._barrier("prepare")
         hello = self._broadcast_object("prepare: the sender's hello")
         self.algo = hello["algo"]
+        self._prepared = fingerprint(self.metadata)
         self._gather("prepare: the engines' metadata", self.metadata)
 
     def receive(self) -> Received:
@@ -472,6 +489,9 @@ class BroadcastReceiver(GroupMember):
         swap = Swapper(faults.at("receiver_before_load", kind="swap_params"))
         acc = DigestAccumulator(algo=self.algo, backend=self.backend) if self.verifying else None
         errors: list[str] = []
+        stale = fingerprint(self.metadata) != self._prepared
+        if stale:  # the sender would check this engine against what it declared at prepare: load nothing
+            errors.append("this engine's metadata changed since prepare(): nothing loaded; call prepare() again")
         buckets = params = nbytes = 0
         while True:
             header = self._broadcast_object("waiting for a bucket header")
@@ -485,8 +505,8 @@ class BroadcastReceiver(GroupMember):
             index, names, used = header["index"], header["names"], header["used"]
             buf = torch.empty(used, dtype=torch.uint8, device=self.device)
             self._broadcast_bytes(f"bucket {index}'s {used} bytes", buf)
-            if index in dropped:
-                continue  # lost on the way to this rank
+            if index in dropped or stale:
+                continue  # lost on the way to this rank, or not to be loaded against stale metadata
             try:
                 batch = self._slice(index, names, used, buf, faults, swap, acc)
                 if batch:

@@ -6,7 +6,7 @@ As it sits in a framework's YAML (e.g. under ``policy.refit``)::
       verify:
         mode: "log"          # off | log | enforce; quote it (YAML 1.1 reads a bare off as false)
       buffer_bytes: 268435456   # staging buffer per bucket, >= 512 (default 256 MiB)
-      timeout_s: 60             # how long to wait for a peer before giving up
+      timeout_s: 60             # how long to wait for a peer before giving up (> 0, at most ~24.8 days)
 
 Only a key that is truly absent takes its default: no ``verify`` key (or no
 refit config at all) means ``mode: off``. Everything else that is not exactly
@@ -38,16 +38,19 @@ from wcviz.refit.verify import MODES
 __all__ = [
     "DEFAULT_BUFFER_BYTES",
     "DEFAULT_TIMEOUT_S",
+    "MAX_TIMEOUT_S",
     "MODES",
     "RefitConfig",
     "RefitConfigError",
     "VerifyConfig",
+    "check_timeout",
     "parse_refit_config",
     "verify_mode",
 ]
 
 DEFAULT_BUFFER_BYTES = 256 * 1024 * 1024
 DEFAULT_TIMEOUT_S = 60.0
+MAX_TIMEOUT_S = 2_147_483.0  # seconds: ZMQ's poll takes an int of milliseconds (2**31 - 1), about 24.8 days
 
 _CHOICES = ", ".join(repr(m) for m in MODES)
 
@@ -80,6 +83,24 @@ def _check_keys(data: Any, cls: type[BaseModel], where: str) -> dict[str, Any]:
     if unknown:
         raise ValueError("; ".join(unknown) + f"; allowed keys: {', '.join(allowed)}")
     return dict(data)
+
+
+def check_timeout(value: Any, where: str = "timeout_s") -> float:
+    """``value`` as float seconds if it is a finite number > 0 and at most :data:`MAX_TIMEOUT_S`.
+
+    Else :class:`RefitConfigError` (a ValueError) naming ``where``; the config and
+    every transport's constructor check their ``timeout_s`` with it.
+
+    A negative timeout would make ZMQ wait forever (a hang, not a timeout); inf,
+    NaN and huge values cannot become the milliseconds a poll takes.
+    """
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if ok and math.isfinite(value) and 0 < value <= MAX_TIMEOUT_S:
+        return float(value)
+    raise RefitConfigError(
+        f"invalid value for {where}: {value!r}; it must be a finite number of seconds > 0 "
+        f"and at most {MAX_TIMEOUT_S:.0f} (about 24.8 days)"
+    )
 
 
 def _check_mode(value: Any) -> str:
@@ -148,9 +169,7 @@ class RefitConfig(BaseModel):
     @field_validator("timeout_s", mode="before")
     @classmethod
     def _timeout_s(cls, value: Any) -> float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0:
-            return float(value)
-        raise ValueError(f"invalid value for timeout_s: {value!r}; it must be a finite number of seconds > 0")
+        return check_timeout(value)
 
 
 def _message(e: ValidationError) -> str:

@@ -29,7 +29,9 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["POINTS", "KINDS", "Fault", "FaultPlan", "Swapper", "as_like", "shifted", "strike"]
+__all__ = [
+    "POINTS", "KINDS", "Fault", "FaultPlan", "Swapper", "as_like", "pack_shifted", "shifted", "strike", "swap_named",
+]  # fmt: skip
 
 POINTS = ("sender_after_digest", "wire", "receiver_before_load")
 KINDS = ("flip_bit", "drop_param", "drop_buffer", "shift_offset", "cast_dtype", "swap_params")
@@ -140,6 +142,31 @@ def shifted(t: torch.Tensor, shift: int) -> torch.Tensor:
     if shift < raw.numel():
         out[shift:] = raw[: raw.numel() - shift]
     return as_like(out, t)
+
+
+def pack_shifted(buf: torch.Tensor, offset: int, t: torch.Tensor, shift: int) -> None:
+    """Pack ``t`` ``shift`` bytes late, clipped to the end of its aligned slot (the fault shift_offset)."""
+    from wcviz.digest import logical_bytes
+    from wcviz.refit._packing import aligned
+
+    raw = logical_bytes(t)
+    start = offset + shift
+    n = max(0, min(raw.numel(), aligned(offset + raw.numel()) - start))
+    buf[start : start + n].copy_(raw[:n], non_blocking=True)
+
+
+def swap_named(named: list[tuple[str, torch.Tensor]], a: str, b: str) -> None:
+    """Trade the tensors of ``a`` and ``b`` in place (the fault swap_params); a no-op if either is absent."""
+    where = {n: i for i, (n, _) in enumerate(named)}
+    if a not in where or b not in where:
+        return
+    from wcviz.refit._packing import nbytes
+
+    i, j = where[a], where[b]
+    ta, tb = named[i][1], named[j][1]
+    if nbytes(ta) != nbytes(tb):
+        raise ValueError(f"fault swap_params: {a} ({nbytes(ta)} bytes) and {b} ({nbytes(tb)} bytes) differ in size")
+    named[i], named[j] = (a, tb), (b, ta)
 
 
 def strike(faults: FaultPlan, point: str, name: str, t: torch.Tensor) -> torch.Tensor | None:

@@ -12,6 +12,9 @@ Wire protocol, sender -> receiver, then the reply::
 
     {"op": "prepare"}
         -> {"op": "info", "metadata": {name: (shape, dtype)}}      what the receiver's model expects
+    {"op": "prepare", "known": sha256}                             the fingerprint of the metadata the sender holds
+        -> {"op": "info", "unchanged": True}                       the receiver still declares exactly that
+        -> {"op": "info", "metadata": {name: (shape, dtype)}}      it declares something else now
     {"op": "batch", "buffer": BufferHandle, "names": [...], "used": nbytes}
         -> {"op": "ack", "ok": True}
         -> {"op": "ack", "ok": False, "error": "..."}              batch refused or failed; nothing more follows
@@ -19,7 +22,12 @@ Wire protocol, sender -> receiver, then the reply::
         -> {"op": "ack", "ok": True}                               receiver not verifying
         -> {"op": "ack", "ok": True, "digests": {name: hex}}       receiver verifying
 
-``prepare`` is asked once per sender. A batch names the parameters packed into
+Every stream begins with ``prepare``, and the receiver refuses a batch or COMPLETE
+that no prepare of the same :meth:`IPCReceiver.serve` preceded: the sender always
+checks against what the receiver declares *now* (a restarted engine at the same
+address, with another model, is never checked against the old one's metadata).
+The metadata itself travels only when it changed (:func:`fingerprint`: SHA-256 of
+names, shapes and dtypes). A batch names the parameters packed into
 a buffer, each at a 512-byte-aligned offset, and the aligned end of the last
 one (``used``); the receiver recomputes the offsets from *its own* metadata and
 refuses a batch whose end does not add up. Batches alternate between two
@@ -47,15 +55,16 @@ from typing import TYPE_CHECKING, Any
 import torch
 import zmq
 
-from wcviz.digest import DigestAccumulator, logical_bytes
+from wcviz.digest import DigestAccumulator
 from wcviz.refit._beside import Beside, settle
 from wcviz.refit._control import ControlSocket, WireLog, check_address, checked_digests, checked_metadata, refused
-from wcviz.refit._packing import Bucket, Meta, aligned, nbytes, pack, plan, unpack, walk
+from wcviz.refit._packing import Bucket, Meta, fingerprint, framing_problems, nbytes, pack, plan, unpack, walk
 from wcviz.refit._packing import metadata as declared_metadata
 from wcviz.refit._packing import named_tensors as tensor_pairs
 from wcviz.refit._shm import AttachedBuffer, BufferHandle, HandleError, OwnedBuffer
 from wcviz.refit._transport import Transport
-from wcviz.refit.faults import FaultPlan, as_like, shifted
+from wcviz.refit.config import check_timeout
+from wcviz.refit.faults import FaultPlan, as_like, pack_shifted, shifted, swap_named
 from wcviz.refit.verify import RefitProtocolError, RefitResult, expected_names, verify_digests
 
 if TYPE_CHECKING:
@@ -113,18 +122,19 @@ class IPCSender(Transport):
         keep_buffers: bool = True,
     ) -> None:
         super().__init__(verify)
+        self.timeout_s = check_timeout(timeout_s)  # before anything is created: nothing to clean up
         self.faults = faults or FaultPlan()
         self.overlap = overlap
         self.keep_buffers = keep_buffers
         self._kept: list[OwnedBuffer] = []  # the staging buffers, between sends
         self._beside = Beside()
         self.buffer_bytes = buffer_bytes
-        self.timeout_s = timeout_s
         self.device = torch.device(device) if device is not None else None
         self.wire_log = wire_log
         self._tmpdir = tempfile.mkdtemp(prefix="wcviz_refit_") if address is None else None
         self.address = address or f"ipc://{self._tmpdir}/refit.sock"
-        self.metadata: dict[str, Meta] | None = None  # the receiver's, once prepared
+        self.metadata: dict[str, Meta] | None = None  # the receiver's, as its last prepare said
+        self._fingerprint: str | None = None  # fingerprint(self.metadata)
         self._sock: ControlSocket | None = None
         self._closed = False
         try:
@@ -169,17 +179,28 @@ class IPCSender(Transport):
                 self._tmpdir = None
 
     def prepare(self) -> dict[str, Meta]:
-        """Ask the receiver what its model expects, ``{name: (shape, dtype)}``, and keep it for the streams."""
+        """Ask the receiver what its model expects now, ``{name: (shape, dtype)}``; every :meth:`send` does.
+
+        The metadata travels only when it differs from what this sender already
+        holds (its fingerprint goes along with the request).
+        """
         sock = self._open_socket()
+        known = self._fingerprint if self.metadata is not None else None
         try:
-            sock.send({"op": "prepare"}, "the prepare request")
+            sock.send({"op": "prepare"} if known is None else {"op": "prepare", "known": known}, "the prepare request")
             reply = sock.recv("the reply to prepare")
         except BaseException:
             self._close_socket()
             raise
-        if reply.get("op") != "info" or not isinstance(reply.get("metadata"), dict):
+        if reply.get("op") == "info" and reply.get("unchanged") is True and known is not None:
+            pass  # the receiver computed the same fingerprint from what it declares now
+        elif reply.get("op") == "info" and isinstance(reply.get("metadata"), dict):
+            self.metadata = checked_metadata(reply["metadata"], self.address)
+            self._fingerprint = fingerprint(self.metadata)
+        else:
+            self.metadata = self._fingerprint = None
             raise RefitProtocolError(f"the receiver at {self.address} answered prepare with {reply!r:.200}")
-        self.metadata = checked_metadata(reply["metadata"], self.address)
+        assert self.metadata is not None
         return self.metadata
 
     def send(
@@ -191,8 +212,10 @@ class IPCSender(Transport):
     ) -> RefitResult:
         """Stream ``named_tensors`` to the receiver; with verification on, compare both ends' digests.
 
-        Every parameter the receiver declares must arrive: one that was not sent (or
-        was lost) is ``missing`` and the refit is not ok. To update a subset on
+        Every parameter the receiver declares (asked anew by :meth:`prepare` at the
+        start of each send) must arrive: one that was not sent (or was lost) is
+        ``missing`` and the refit is not ok; a refit that checked nothing (a receiver
+        that declares no parameters) is not ok either. To update a subset on
         purpose, say so: ``partial=True`` (exactly what is sent must arrive) or
         ``expected=[names]`` (exactly those). ``log`` warns naming each parameter that
         did not arrive intact and returns the result; ``enforce`` raises
@@ -201,22 +224,21 @@ class IPCSender(Transport):
         """
         tensors = tensor_pairs(named_tensors)
         try:
-            metadata = self.metadata if self.metadata is not None else self.prepare()
+            metadata = self.prepare()  # what the receiver declares now, never what an earlier one declared
             self._check_framing(tensors, metadata)
             want = expected_names(metadata, (n for n, _ in tensors), partial=partial, expected=expected)
             acc = DigestAccumulator() if self.verifying else None
             reply = self._stream(self._outgoing(tensors), dict(tensors), acc)
         except BaseException:
-            # prepare again next time: the receiver may have changed, and a prepare restarts its stream
-            self.metadata = None
             self._free_staging()  # a receiver that gave up mid-batch may still read them: fresh ones next time
             if self._sock is not None and self._sock.awaiting:  # a REQ socket cannot send again before its reply
                 self._close_socket()
             raise
         size = sum(nbytes(t) for _, t in tensors)
         if acc is None:
-            return RefitResult(self.mode, params=len(tensors), nbytes=size, expected=len(want))
-        return verify_digests(self.mode, acc.hex(), checked_digests(reply.get("digests"), self.address), nbytes=size, expected=want)
+            return RefitResult(self.mode, params=len(tensors), nbytes=size, expected=len(want), declared=len(metadata))
+        theirs = checked_digests(reply.get("digests"), self.address)
+        return verify_digests(self.mode, acc.hex(), theirs, nbytes=size, expected=want, declared=len(metadata))
 
     def _free_staging(self) -> None:
         kept, self._kept = self._kept, []
@@ -224,23 +246,8 @@ class IPCSender(Transport):
             buf.close()
 
     def _check_framing(self, tensors: list[tuple[str, torch.Tensor]], metadata: Mapping[str, Meta]) -> None:
-        """Refuse, before anything is sent, names the receiver lacks and byte sizes it does not expect.
-
-        The framing must agree for the receiver to slice the buffers; a shape or
-        dtype that drifted at the same byte size is the digest's to catch.
-        """
-        unknown = [n for n, _ in tensors if n not in metadata]
-        resized = [
-            f"{n} ({Meta.of(t).describe()} here; the receiver expects {Meta(*metadata[n]).describe()})"
-            for n, t in tensors
-            if n in metadata and nbytes(t) != Meta(*metadata[n]).nbytes
-        ]
-        problems = []
-        if unknown:
-            problems.append(f"the receiver has no parameter {', '.join(unknown)}")
-        if resized:
-            problems.append(f"byte sizes differ for {'; '.join(resized)}")
-        if problems:
+        """Refuse, before anything is sent, names the receiver lacks and byte sizes it does not expect."""
+        if problems := framing_problems(tensors, metadata):
             raise RefitProtocolError(f"refit to {self.address} not started: {'; '.join(problems)}")
 
     def _outgoing(self, tensors: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
@@ -255,7 +262,7 @@ class IPCSender(Transport):
                 out.append((name, sent))
         for f in self.faults.faults:
             if f.kind == "swap_params" and f.point in (SENDER, WIRE):
-                _swap(out, *f.params)
+                swap_named(out, *f.params)
         return out
 
     def _stream(
@@ -352,7 +359,7 @@ class IPCSender(Transport):
             t = tensors[name]
             shift = sum(f.shift for p in (SENDER, WIRE) for f in self.faults.at(p, name, kind="shift_offset"))
             if shift:
-                _pack_shifted(buf, offset, t, shift)
+                pack_shifted(buf, offset, t, shift)
             else:
                 pack(buf, offset, t)
             for f in self.faults.at(WIRE, name, kind="flip_bit"):
@@ -376,31 +383,12 @@ def _add_all(acc: DigestAccumulator, named: list[tuple[str, torch.Tensor]]) -> N
         acc.add(n, t)
 
 
-def _pack_shifted(buf: torch.Tensor, offset: int, t: torch.Tensor, shift: int) -> None:
-    """Pack ``t`` ``shift`` bytes late, clipped to the end of its aligned slot (the fault shift_offset)."""
-    raw = logical_bytes(t)
-    start = offset + shift
-    n = max(0, min(raw.numel(), aligned(offset + raw.numel()) - start))
-    buf[start : start + n].copy_(raw[:n], non_blocking=True)
-
-
-def _swap(named: list[tuple[str, torch.Tensor]], a: str, b: str) -> None:
-    """Trade the tensors of ``a`` and ``b`` in place (the fault swap_params); a no-op if either is absent."""
-    where = {n: i for i, (n, _) in enumerate(named)}
-    if a not in where or b not in where:
-        return
-    i, j = where[a], where[b]
-    ta, tb = named[i][1], named[j][1]
-    if nbytes(ta) != nbytes(tb):
-        raise ValueError(f"fault swap_params: {a} ({nbytes(ta)} bytes) and {b} ({nbytes(tb)} bytes) differ in size")
-    named[i], named[j] = (a, tb), (b, ta)
-
-
 @dataclass
 class _Stream:
     """The receiver's state for one stream."""
 
     acc: DigestAccumulator | None
+    metadata: dict[str, Meta]  # what the receiver declared in this stream's prepare: every batch is sliced with it
     held: dict[str, torch.Tensor] = field(default_factory=dict)  # swap_params: the first of a pair, until its partner
 
 
@@ -429,20 +417,20 @@ class IPCReceiver(Transport):
         overlap: bool = False,
     ) -> None:
         super().__init__(verify)
+        self.timeout_s = check_timeout(timeout_s)
         self.overlap = overlap
         self._beside = Beside()
         self.address = address
         self.metadata: dict[str, Meta] = declared_metadata(metadata)
         self.load_weights = load_weights
         self.faults = faults or FaultPlan()
-        self.timeout_s = timeout_s
         self._partners: dict[str, str] = {}
         for f in self.faults.at(RECEIVER, kind="swap_params"):
             a, b = f.params
             self._partners.update({a: b, b: a})
         self._buffers: dict[str, AttachedBuffer] = {}
         self._sock: ControlSocket | None = ControlSocket(
-            zmq.REP, address, bind=False, timeout_s=timeout_s, linger_ms=_REPLY_LINGER_MS, wire_log=wire_log
+            zmq.REP, address, bind=False, timeout_s=self.timeout_s, linger_ms=_REPLY_LINGER_MS, wire_log=wire_log
         )
 
     def __enter__(self) -> Self:
@@ -462,14 +450,16 @@ class IPCReceiver(Transport):
     def serve(self) -> dict[str, str] | None:
         """Answer requests until one stream completes; the digests sent back (None when not verifying).
 
-        Waits at most ``timeout_s`` for each request. A batch it refuses or
+        Waits at most ``timeout_s`` for each request. The stream must begin with a
+        prepare (a batch or COMPLETE before one is refused): it is where the sender
+        learns what this receiver declares. A batch it refuses or
         cannot load is answered with an error, then raised here: the stream is
         over and the model may hold part of it. Call again for the next refit.
         """
         if self._sock is None:
             raise RefitProtocolError(f"receiver at {self.address} is closed")
         sock = self._sock
-        stream = _Stream(DigestAccumulator() if self.verifying else None)
+        stream: _Stream | None = None  # until this serve's prepare
         try:
             while True:
                 try:
@@ -480,10 +470,19 @@ class IPCReceiver(Transport):
                 op = msg.get("op")
                 if op == "prepare":  # also where a sender starts over after a failed stream
                     self._release()
-                    stream = _Stream(DigestAccumulator() if self.verifying else None)
-                    sock.send({"op": "info", "metadata": self.metadata}, "the reply to prepare")
+                    declared = dict(self.metadata)
+                    stream = _Stream(DigestAccumulator() if self.verifying else None, declared)
+                    if msg.get("known") == fingerprint(declared):
+                        sock.send({"op": "info", "unchanged": True}, "the reply to prepare")
+                    else:
+                        sock.send({"op": "info", "metadata": declared}, "the reply to prepare")
                 elif op in ("batch", "complete"):
                     try:
+                        if stream is None:
+                            raise RefitProtocolError(
+                                f"{op} before prepare from the sender at {self.address}: every refit stream begins "
+                                "with prepare, so the sender checks against what this receiver declares now"
+                            )
                         reply = self._batch(msg, stream) if op == "batch" else self._complete(stream)
                     except Exception as e:  # the sender learns at once; then it is raised here
                         sock.send({"op": "ack", "ok": False, "error": str(e) or repr(e)}, "an error reply")
@@ -511,10 +510,10 @@ class IPCReceiver(Transport):
                 handle = BufferHandle.from_wire(handle)
         except HandleError as e:
             raise RefitProtocolError(f"the sender at {self.address} sent a bad buffer handle: {e}") from None
-        unknown = [n for n in names if n not in self.metadata]
+        unknown = [n for n in names if n not in stream.metadata]
         if unknown:
             raise RefitProtocolError(f"batch names parameters this receiver does not have: {', '.join(unknown)}")
-        entries, end = walk(names, self.metadata)
+        entries, end = walk(names, stream.metadata)
         if end != used:
             raise RefitProtocolError(
                 f"batch does not add up: by this receiver's metadata its parameters end at byte {end}, the sender "

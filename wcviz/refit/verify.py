@@ -9,7 +9,10 @@ per bad parameter and returns the result; ``enforce`` raises
 
 A declared parameter that never arrived is ``missing`` - a dropped bucket, a refit
 that sent a subset or nothing at all - and the result is not ok: a refit is only
-verified when everything the receiver expects arrived intact.
+verified when everything the receiver expects arrived intact. A refit that
+checked nothing (a receiver that declares no parameters: released or offloaded
+weights, a mis-wired holder; or a stated partial refit of nothing) is never
+"verified": it is not ok, says so, and ``enforce`` raises.
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ class RefitResult:
     declared by the receiver and never sent (those are also in ``unsent``).
     ``unexpected``: the receiver saw it, the sender never sent it.
     ``expected``: how many parameters the receiver was to hold.
+    ``declared``: how many parameters the receiver declares, where the transport knows.
     """
 
     mode: str
@@ -64,6 +68,7 @@ class RefitResult:
     unexpected: tuple[str, ...] = ()
     unsent: tuple[str, ...] = ()
     expected: int | None = None
+    declared: int | None = None
     sender: Mapping[str, str] = field(default_factory=dict, repr=False)
     receiver: Mapping[str, str] = field(default_factory=dict, repr=False)
 
@@ -73,14 +78,31 @@ class RefitResult:
         return sorted({*self.mismatched, *self.missing, *self.unexpected})
 
     @property
+    def empty(self) -> bool:
+        """Verification ran but had nothing to check: nothing sent, expected or received."""
+        return self.verified and not self.params and not self.expected and not self.receiver and not self.bad
+
+    @property
     def ok(self) -> bool:
-        """True only when verification ran and found nothing: ``off`` is never "ok"."""
-        return self.verified and not self.bad
+        """True only when verification ran, checked something and found nothing wrong: ``off`` is never "ok"."""
+        return self.verified and not self.bad and not self.empty
+
+    def _nothing(self) -> str:
+        """Why a verified refit checked nothing, for :meth:`describe`."""
+        if self.declared == 0:
+            why = "the receiver declares no parameters (released or offloaded weights? a mis-wired holder?)"
+        elif self.declared:
+            why = f"no parameter was sent and none was expected (the receiver declares {self.declared})"
+        else:
+            why = "no parameter was sent, expected or received"
+        return f"refit verified nothing, not ok: {why}"
 
     def describe(self) -> str:
         """One line for logs and error messages."""
         if not self.verified:
             return f"refit of {self.params} parameters ({self.nbytes:,} bytes), not verified (mode {self.mode})"
+        if self.empty:
+            return self._nothing()
         if not self.bad:
             return f"refit of {self.params} parameters ({self.nbytes:,} bytes) verified: every digest matches"
         unsent = set(self.unsent)
@@ -100,7 +122,7 @@ class RefitResult:
 
 
 class RefitDigestMismatch(RefitError):
-    """``enforce``: the receiver does not hold what the sender sent. ``.result`` says what."""
+    """``enforce``: the receiver does not hold what the sender sent, or nothing was verified. ``.result`` says what."""
 
     def __init__(self, result: RefitResult) -> None:
         super().__init__(result.describe())
@@ -144,11 +166,13 @@ def compare(
     *,
     nbytes: int = 0,
     expected: Iterable[str] | None = None,
+    declared: int | None = None,
 ) -> RefitResult:
     """The comparison alone: what did not arrive intact, as a verified :class:`RefitResult` (no logging, no raising).
 
     ``expected``: the names the receiver must hold (default: what was sent); a name
-    in it that the receiver does not report is ``missing``, sent or not.
+    in it that the receiver does not report is ``missing``, sent or not. ``declared``:
+    how many parameters the receiver declares (named in the message when it is 0).
     """
     want = set(sender) if expected is None else set(expected)
     differ = set(compare_digests(sender, receiver))
@@ -163,6 +187,7 @@ def compare(
         unexpected=tuple(sorted(n for n in differ if n not in sender)),
         unsent=tuple(sorted(unsent)),
         expected=len(want),
+        declared=declared,
         sender=dict(sender),
         receiver=dict(receiver),
     )
@@ -170,6 +195,8 @@ def compare(
 
 def warn(result: RefitResult, prefix: str = "refit verification: ") -> None:
     """``log``: one warning per parameter that did not arrive intact, each line starting with ``prefix``."""
+    if result.empty:
+        log.warning("%s%s", prefix, result.describe())
     unsent = set(result.unsent)
     for name in result.mismatched:
         log.warning("%s%s differs between sender and receiver", prefix, name)
@@ -189,17 +216,18 @@ def verify_digests(
     *,
     nbytes: int = 0,
     expected: Iterable[str] | None = None,
+    declared: int | None = None,
 ) -> RefitResult:
     """Compare the two sides' digests (:func:`compare`) and apply ``mode``; see the module docstring."""
     if mode not in MODES:
         raise ValueError(f"unknown verify mode {mode!r}; choose one of {', '.join(MODES)}")
     if mode == "off":
         want = set(sender) if expected is None else set(expected)
-        return RefitResult(mode, params=len(sender), nbytes=nbytes, expected=len(want))
+        return RefitResult(mode, params=len(sender), nbytes=nbytes, expected=len(want), declared=declared)
     if receiver is None:
         raise RefitProtocolError("verification is on but the receiver's final acknowledgment carried no digests")
-    result = compare(mode, sender, receiver, nbytes=nbytes, expected=expected)
-    if result.bad and mode == "enforce":
+    result = compare(mode, sender, receiver, nbytes=nbytes, expected=expected, declared=declared)
+    if not result.ok and mode == "enforce":  # a mismatch, or nothing checked at all
         raise RefitDigestMismatch(result)
     warn(result)
     return result
