@@ -357,3 +357,42 @@ def test_per_engine_checksum_is_sglangs() -> None:
     assert body["per_engine_checksum"] == h.hexdigest()
     assert pd.Series([e["parallelism_info"][0]["dp_rank"] for e in body["ranks"]]).tolist() == [0, 0, 1, 1]
     assert build_state_dict(TINY)  # the weights every rank loaded
+
+
+def _attention_dp_answer(tp: int, groups: int, alter: bool = False) -> dict[str, Any]:
+    """SGLang 0.5.23 with attention DP: every attention-DP group's leader answers (``scheduler.py``
+    ``is_rank_zero``; the tokenizer fans out to ``num_dp_ranks``), each with the ``all_gather`` of the whole TP
+    group (``weight_updater.py`` ``check_weights``), so ``ranks`` lists every TP rank once per group."""
+
+    def overall(c: dict[str, str]) -> str:
+        h = hashlib.sha256()
+        for n in sorted(c):
+            h.update(n.encode())
+            h.update(c[n].encode())
+        return h.hexdigest()
+
+    entries = []
+    for t in range(tp):
+        c = {"model.layers.0.mlp.down_proj.weight": f"{t + 1:016x}"}
+        info = {"role": "target", "tp_rank": t, "tp_size": tp, "dp_rank": t // (tp // groups), "dp_size": groups,
+                "pp_rank": 0, "pp_size": 1, "rank": t, "size": tp}  # fmt: skip
+        entries.append({"checksums": c, "per_gpu_checksum": overall(c), "parallelism_info": [info]})
+    ranks = [dict(e) for _ in range(groups) for e in entries]
+    if alter:  # the second copy of rank 0 holds something else: not the same answer twice
+        c = {"model.layers.0.mlp.down_proj.weight": f"{99:016x}"}
+        ranks[tp] = {**ranks[tp], "checksums": c, "per_gpu_checksum": overall(c)}
+    per_engine = hashlib.sha256("".join(r["per_gpu_checksum"] for r in ranks).encode()).hexdigest()
+    return {"success": True, "message": " | ".join(["Success."] * groups), "ranks": ranks, "per_engine_checksum": per_engine}
+
+
+def test_attention_dp_lists_each_rank_once_per_group_and_reads_as_one_rank_each() -> None:
+    body = _attention_dp_answer(tp=4, groups=2)
+    res = from_sglang("http://sg", transport=httpx.MockTransport(lambda r: httpx.Response(200, json=body)))
+    assert res.complete and res.answered == 4, res.summary
+    got = res.frame.sort_values("tp")
+    assert got["tp"].tolist() == [0, 1, 2, 3] and got["dp"].tolist() == [0, 0, 1, 1] and got["rank"].tolist() == [0, 1, 2, 3]
+    assert got["digest"].tolist() == [f"{t + 1:016x}" for t in range(4)]
+    body = _attention_dp_answer(tp=4, groups=2, alter=True)  # two different answers for one rank: neither is trusted
+    res = from_sglang("http://sg", transport=httpx.MockTransport(lambda r: httpx.Response(200, json=body)))
+    assert not res.complete and sorted(res.failed["tp"].dropna().tolist()) == [0, 0]
+    assert all("claims the same rank" in e for e in res.failed["error"])

@@ -36,6 +36,7 @@ is ``ADMIN_OPTIONAL``: with ``--admin-api-key`` (else ``--api-key``) set, send i
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -254,7 +255,12 @@ def from_sglang(
             failed.append({"url": base, "kind": "failed", "error": "per_engine_checksum is not the sha256 of the ranks' per_gpu_checksum: the answer was altered"})
     collected: list[Any] = []
     infos: list[dict[str, Any]] = []
+    seen: set[str] = set()
     for i, entry in enumerate(ranks):
+        same = json.dumps(entry, sort_keys=True, default=str)
+        if same in seen:  # attention DP: each attention-DP leader answers with the all_gather of the whole TP group
+            continue  # (scheduler.py is_rank_zero, weight_updater.py check_weights), so a rank is listed once per group, identically
+        seen.add(same)
         try:
             got, info = _rank_rows(base, entry, phase, algo, keep)
             collected.append(got)
