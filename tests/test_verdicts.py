@@ -277,3 +277,43 @@ def test_one_rank_with_two_identities_is_an_error(rows: list[dict], why: str) ->
         compare(table, table)
     with pytest.raises(TableError, match=why):
         compare(make_frame([_rank_row("w", 5, 5)]), table)
+
+
+# --------------------------------------------------------------------------- malformed and unnamed rows
+
+
+def _verdict_rows(rows: list[tuple]) -> pd.DataFrame:
+    """(rank, tp, name, status) tuples as a verdict frame; NA where None."""
+    df = pd.DataFrame(rows, columns=["rank", "tp", "name", "status"])
+    for c in IDENTITY:
+        df[c] = df[c].astype("Int64") if c in df else pd.Series(pd.NA, index=df.index, dtype="Int64")
+    df["name"] = df["name"].astype("string")
+    df["status"] = df["status"].astype("string")
+    return df
+
+
+def test_a_row_without_a_status_is_refused_naming_the_row() -> None:
+    import wcviz.views  # noqa: F401 - registers df.wc
+    from wcviz.verdicts import status_parts, summary
+
+    v = _verdict_rows([(0, 0, "model.layers.0.w", "match"), (1, 1, "model.layers.0.w", None)])
+    for view in (summary, status_parts, differences, counts):
+        with pytest.raises(TableError, match=r"row 1 \(rank 1 \(tp=1\), parameter model\.layers\.0\.w\) has no status"):
+            view(v)
+    with pytest.raises(TableError, match="row 1"):
+        v.wc.mismatches()  # was: the row silently dropped
+
+
+def test_a_finding_without_a_name_is_counted() -> None:
+    from wcviz.verdicts import status_parts, summary
+
+    v = _verdict_rows([(0, 0, "model.layers.0.w", "match"), (0, 0, None, "mismatch"), (1, 1, "model.layers.0.w", "match")])
+    assert status_parts(v) == ["1 mismatch on 1 rank (rank 0 (tp=0))", "2 match"]
+    assert summary(v) == "end-state check: 2 ranks, 3 parameters: 1 mismatch on 1 rank (rank 0 (tp=0)), 2 match"
+
+
+def test_summary_says_one_parameter() -> None:
+    from wcviz.verdicts import summary
+
+    v = _verdict_rows([(0, 0, "model.layers.0.w", "unwritten")])
+    assert summary(v) == "end-state check: 1 rank, 1 parameter: 1 unwritten on 1 rank (rank 0 (tp=0))"

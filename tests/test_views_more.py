@@ -133,6 +133,7 @@ def test_topology_groups_by_host_and_marks_the_trainer() -> None:
         "  dp1 pp1 r6 .  r7 .",
         "legend: U unwritten  . match",
         "trainer on 1 host: node-1; colocated with the engine on node-1",
+        "not shown: trainer rows: 1 match",
     )
     fig = plot_topology(v)
     ax = fig.axes[0]
@@ -151,7 +152,7 @@ def test_topology_reads_role_actual_and_hosts_of_other_trainers() -> None:
     )
     text = topology_text(v).splitlines()
     assert text[1] == "host gpu-a"
-    assert text[-1] == "trainer on 1 host: gpu-b; none shared with the engine"
+    assert text[-2:] == ["trainer on 1 host: gpu-b; none shared with the engine", "not shown: trainer rows: 1 match"]
     assert "trainer on this host" not in _legend(plot_topology(v))
 
 
@@ -585,3 +586,102 @@ def test_bench_measures_every_algorithm_and_the_cli_start_up() -> None:
     assert list(rates["algo"]) == list(ALGORITHMS) and (rates["gbps"] > 0).all()
     start = cli_startup(repeat=1)
     assert set(start) == {"wcviz digest", "import torch"} and all(v > 0 for v in start.values())
+
+
+# --------------------------------------------------------------------------- nothing hidden, nothing looks like a match
+
+
+def test_topology_says_what_the_trainer_ranks_it_does_not_draw_hold() -> None:
+    v = verdicts(
+        [(0, 0, 0, _layer(0), "match", "engine"), (0, 0, 0, _layer(1), "match", "engine"),
+         (1, 0, 1, _layer(0), "match", "trainer"), (1, 0, 1, _layer(1), "mismatch", "trainer")],
+        extra=("role_actual",),
+    )
+    text = topology_text(v)
+    assert text.splitlines()[-1] == "not shown: trainer rows: 1 mismatch on 1 rank (rank 1 (pp=0 tp=1)), 1 match"
+    ax = plot_topology(v).axes[0]
+    (note,) = _gid(ax.texts, "note")
+    assert "1 mismatch on 1 rank (rank 1 (pp=0 tp=1))" in note.get_text().replace("\n", " ")
+    assert note.get_color() == "#B2182B"  # a finding: the alarm colour, not a grey footnote
+
+
+def test_topology_names_a_rank_that_did_not_answer_instead_of_counting_it() -> None:
+    rows = [(r, 0, r, _layer(i), "match") for r in (0, 1) for i in range(3)]
+    rows += [(2, 0, 2, None, "unreachable"), (3, 0, 3, None, "empty")]
+    v = verdicts(rows)
+    assert topology_text(v).splitlines()[3] == "  pp0 r0 .           r1 .           r2 ? no answer r3 0 empty"
+    texts = [t.get_text() for t in _gid(plot_topology(v).axes[0].texts, "cell")]
+    assert texts == ["r0", "r1", "r2\nno answer", "r3\nempty"]  # was "r2\n1": a rank counted as one parameter
+
+
+def _hatched(ax: object, gid: str) -> set[tuple[int, int]]:
+    """(row, column) of the cells a hatch collection of ``gid`` covers."""
+    out = set()
+    for coll in _gid(ax.collections, gid):  # type: ignore[attr-defined]
+        for path in coll.get_paths():
+            (x0, y0), (x1, y1) = path.vertices.min(axis=0), path.vertices.max(axis=0)
+            out.add((round((y0 + y1) / 2), round((x0 + x1) / 2)))
+    return out
+
+
+def test_a_partly_filtered_cell_hiding_a_finding_is_not_drawn_as_a_match() -> None:
+    v = verdicts([
+        (0, 0, 0, _layer(0, "q.weight"), "unwritten"), (0, 0, 0, _layer(0, "k.weight"), "match"),
+        (1, 0, 1, _layer(0, "q.weight"), "match"), (1, 0, 1, _layer(0, "k.weight"), "match"),
+    ])
+    keep = v["name"].str.contains("k.weight", regex=False).to_numpy()
+    ax = plot_layer_rank(v, keep=keep).axes[0]
+    assert _hatched(ax, "filtered_problem") == {(0, 0)}  # r0's unwritten q is filtered out: marked in the alarm colour
+    assert _hatched(ax, "filtered") == {(0, 1)}  # r1's filtered q matches: marked as partly filtered only
+    assert ax.get_title().endswith("(filtered)")
+    assert "filtered out here:\nrows not match" in [t.get_text() for t in ax.get_legend().get_texts()]
+    assert not _hatched(plot_layer_rank(v).axes[0], "filtered_problem")
+
+
+def test_every_finding_stays_visible_among_thousands_of_ranks() -> None:
+    import numpy as np
+
+    rows = [(r, r // 8, r % 8, _layer(i), "unwritten" if (r, i) == (1001, 1) else "match") for r in range(1536) for i in range(3)]
+    v = verdicts(rows, coords=("rank", "dp", "tp"))
+    ax = plot_layer_rank(v).axes[0]
+    (marks,) = _gid(ax.collections, "nonmatch")
+    assert np.asarray(marks.get_offsets()).tolist() == [[1001.0, 1.0]]  # column, row of the one finding
+    assert marks.get_sizes()[0] >= 9  # points², whatever the width of a cell
+    assert ax.get_xlim() == (-0.5, 1535.5)
+
+
+def _two_ranks(name: str, digests: list[str]) -> pd.DataFrame:
+    """One phase's digest frame: ``name`` on ranks 0 and 1 (tp 0 and 1)."""
+    ids = {c: pd.array([0, 1], dtype="Int64") for c in ("rank", "tp")}
+    return pd.DataFrame({**ids, "name": [name, name], "digest": digests})
+
+
+def test_drilldown_marks_a_reset_that_changed_nothing_unproven() -> None:
+    n = _layer(1)
+    frames = {"snapshot": _two_ranks(n, ["aaaaaaaa11", "bbbbbbbb22"]), "reset": _two_ranks(n, ["aaaaaaaa11", "a5a5a5a5ff"]),
+              "reload": _two_ranks(n, ["aaaaaaaa11", "bbbbbbbb22"])}  # fmt: skip
+    assert drilldown_text(frames, n).splitlines()[2] == "r0 tp0  aaaaaaaa .  aaaaaaaa ~  aaaaaaaa ~"
+    ax = plot_drilldown(frames, n).axes[0]
+    im = ax.images[0]
+    from matplotlib.colors import to_hex
+
+    colours = [[to_hex(im.cmap(im.norm(c))) for c in row] for row in im.get_array()]
+    assert colours[0][1] != COLORS["match"].lower() and colours[0][2] != COLORS["match"].lower()
+    assert colours[0][1] == DRILLDOWN_COLORS["unproven"].lower()
+    assert colours[1] == [COLORS["match"].lower(), DRILLDOWN_COLORS["reset"].lower(), COLORS["match"].lower()]
+    assert any("unproven" in t.get_text() for t in ax.get_legend().get_texts())
+
+
+def test_drilldown_wraps_a_long_name_in_its_title() -> None:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    n = "model.language_model.decoder.transformer_blocks_with_a_really_long_module_path_name." * 2
+    n += "layers.1.mlp.down_proj.weight"
+    phases = {"snapshot": ["aa", "bb"], "reset": ["a5", "a5"], "reload": ["aa", "a5"]}
+    fig = plot_drilldown({p: _two_ranks(n, ds).assign(algo="nemo-rl-v3") for p, ds in phases.items()}, n)
+    ax = fig.axes[0]
+    title = next(t for t in (ax.title, ax._left_title, ax._right_title) if t.get_text())
+    assert title.get_text().replace("\n", "") == n + " (nemo-rl-v3)"  # every character, only broken into lines
+    FigureCanvasAgg(fig).draw()
+    box = title.get_window_extent(fig.canvas.get_renderer())
+    assert box.x0 >= 0 and box.x1 <= fig.bbox.width

@@ -152,7 +152,9 @@ def test_the_flow_is_numbered_and_each_step_on_only_when_valid(ranks: list[Rank]
     assert dash.error_text == ""  # a new check: the refused clicks before it are gone
     assert on() == ["fetch", "snapshot", "reset"] and primary() == ["reset"] and b["reset"].button_style == "danger"
     dash.reset(confirm=True)
-    assert on() == ["fetch", "snapshot", "reload"] and primary() == ["reload"]  # a second reset: no; reload: yes
+    # a second reset: no; a snapshot of the poison: no; reload: yes
+    assert on() == ["fetch", "reload"] and primary() == ["reload"]
+    assert b["snapshot"].tooltip.startswith("disabled: reload first: the ranks hold the reset pattern")
     dash.reload()
     assert on() == ["fetch", "snapshot", "compare"] and primary() == ["compare"]
     dash.compare()
@@ -339,7 +341,9 @@ def test_an_agent_that_died_shows_in_errors_and_verdicts(ranks: list[Rank]) -> N
     v = dash.verdicts
     assert {int(k): set(g) for k, g in v.groupby("rank")["status"]} == {0: {"match"}, 1: {"unreachable"}}
     # its reset never reached it (connection refused), so its failed reload leaves nothing poisoned
-    assert dash.status_text == "1 of 2 ranks answered; 4 match; 4 problems (see errors)"
+    assert dash.status_text == (
+        "1 of 2 ranks answered; 4 unreachable on 1 rank (rank 1 (pp0 tp1)); 4 match; 4 problems (see errors)"
+    )
     assert "reload/reload: engine 1 (pp=0 tp=1) unreachable" in dash.error_text
     assert not len(dash.report.poisoned)
 
@@ -576,3 +580,104 @@ def test_the_status_line_says_what_is_happening(ranks: list[Rank]) -> None:
     assert any("snapshot done, fetching the digests of 2 ranks" in s for s in working), seen
     assert "snapshot done; 2 of 2 ranks answered" in seen[-1]
     assert dash.progress.description.startswith("snapshot ")  # labelled, "snapshot 2/2" at its end
+
+
+# --------------------------------------------------------------------------- never hide a problem, never mislead
+
+
+class _FakeFleet:
+    """Two in-process ranks behind the end-state fleet protocol: reset poisons, reload writes the truth back."""
+
+    reset_pattern = "poison"
+
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.truth = [{n: torch.randn(8, generator=g) for n in NAMES} for _ in range(2)]
+        self.params = [{n: t.clone() for n, t in d.items()} for d in self.truth]
+        self.resets = 0
+
+    @property
+    def targets(self) -> tuple[str, ...]:
+        return ("http://r0", "http://r1")
+
+    def identity(self, target: str) -> dict:
+        i = int(target[-1])
+        return {"role": "engine", "rank": i, "pp": 0, "tp": i}
+
+    def digests(self, phase: str):  # noqa: ANN201 - a FetchResult
+        from wcviz.endstate.fleets import _no_failures
+        from wcviz.sources._fleet import FetchResult
+
+        frames = [_frame(p, phase, rank=i, pp=0, tp=i).assign(url=f"http://r{i}") for i, p in enumerate(self.params)]
+        return FetchResult(self.targets, pd.concat(frames, ignore_index=True), _no_failures())
+
+    def act(self, action: str):  # noqa: ANN201 - an ActionResult
+        from wcviz.sources._fleet import ActionResult
+
+        if action == "reset":
+            for p in self.params:
+                poison_(p, byte=0xA5 if self.resets % 2 == 0 else 0x5A)
+            self.resets += 1
+        elif action == "reload":
+            for p, t in zip(self.params, self.truth):
+                for n in NAMES:
+                    p[n].copy_(t[n])
+        return ActionResult(action, self.targets, answers={t: {} for t in self.targets})
+
+
+def test_snapshot_is_off_while_the_ranks_hold_the_reset_pattern() -> None:
+    from wcviz.widgets import DashboardState
+
+    fleet = _FakeFleet()
+    s = DashboardState(fleet)
+    s.phase("snapshot")
+    s.phase("reset")
+    assert s.step_block("snapshot") == "reload first: the ranks hold the reset pattern (3 Reload writes the weights back)"
+    with pytest.raises(RuntimeError, match="reload first"):
+        s.phase("snapshot")  # was: a snapshot of the poison, Reload off while the engine serves it
+    assert s.reset_started and s.step_block("reload") is None
+    s.phase("reload")
+    assert s.step_block("snapshot") is None
+    s.compare()
+    assert s.status_text == "2 of 2 ranks answered; all 8 parameters match"
+
+
+def _verdict_frame(rows: list[tuple]) -> pd.DataFrame:
+    df = pd.DataFrame(rows, columns=["rank", "pp", "tp", "name", "status"])
+    for c in ("rank", "dp", "pp", "tp", "ep"):
+        df[c] = df[c].astype("Int64") if c in df else pd.Series(pd.NA, index=df.index, dtype="Int64")
+    return df.astype({"name": "string", "status": "string"})
+
+
+def test_the_status_line_counts_unnamed_findings_and_names_silent_ranks() -> None:
+    from wcviz.widgets import DashboardState
+
+    unnamed = _verdict_frame([(0, 0, 0, NAMES[0], "match"), (0, 0, 0, None, "mismatch"), (1, 0, 1, NAMES[0], "match")])
+    assert DashboardState(unnamed).status_text == "2 ranks; 1 mismatch on 1 rank (rank 0 (pp0 tp0)); 2 match"  # was: all 2 match
+    rows = [(r, 0, r, n, "match") for r in (0, 1) for n in NAMES[:3]] + [(2, 0, 2, None, "unreachable"), (3, 0, 3, None, "empty")]
+    assert DashboardState(_verdict_frame(rows)).status_text == (
+        "3 of 4 ranks answered; 1 rank empty (rank 3 (pp0 tp3): answered with no parameters); "
+        "1 rank unreachable (rank 2 (pp0 tp2): did not answer); 6 match"
+    )
+
+
+def test_a_verdict_frame_without_a_status_is_refused() -> None:
+    from wcviz._errors import TableError
+    from wcviz.widgets import DashboardState
+
+    v = _verdict_frame([(0, 0, 0, NAMES[0], "match"), (1, 0, 1, NAMES[0], None)])
+    for make in (DashboardState, Dashboard):
+        with pytest.raises(TableError, match=r"row 1 \(rank 1 \(pp=0 tp=1\), parameter .*\) has no status"):
+            make(v)
+
+
+def test_a_view_or_filter_that_works_clears_its_earlier_error() -> None:
+    dash = Dashboard(_verdict_frame([(0, 0, 0, NAMES[0], "match"), (1, 0, 1, NAMES[0], "corrupted")]))
+    with pytest.raises(ValueError, match="no digest_<phase> columns"):
+        dash.set_view("drill-down")
+    dash.set_view("layer × rank")
+    assert dash.error_text == "" and dash.errors.layout.display == "none"
+    dash.search.value = "("
+    assert dash.error_text.startswith("filter: the parameter filter '(' is not a regular expression")
+    dash.search.value = "layers"
+    assert dash.error_text == ""

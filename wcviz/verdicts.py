@@ -45,9 +45,11 @@ __all__ = [
     "SEVERITY",
     "STATUSES",
     "WHOLE_RANK",
+    "check_statuses",
     "compare",
     "counts",
     "differences",
+    "n_parameters",
     "status_parts",
     "summary",
 ]
@@ -146,13 +148,39 @@ def compare(expected: pd.DataFrame, actual: pd.DataFrame) -> pd.DataFrame:
     return worst_first(out, STATUSES)
 
 
+def check_statuses(verdicts: pd.DataFrame) -> None:
+    """Refuse a malformed verdict frame: no ``status`` column, or a row without a status.
+
+    A missing status is neither a match nor a finding, so no view may count it as either:
+    :class:`~wcviz.TableError` names the first such row (its position, rank and name).
+    """
+    if not isinstance(verdicts, pd.DataFrame):
+        raise TableError(f"expected a verdict DataFrame, got {type(verdicts).__name__}")
+    if "status" not in verdicts:
+        raise TableError(f"not a verdict frame: no 'status' column (columns: {', '.join(map(str, verdicts.columns))})")
+    na = verdicts["status"].isna().to_numpy()
+    if na.any():
+        v = verdicts.reset_index(drop=True)
+        pos = int(na.nonzero()[0][0])
+        row = v.iloc[pos]
+        name = row["name"] if "name" in v else pd.NA
+        where = rank_label({c: row[c] for c in IDENTITY if c in v})
+        what = f"{where}, " + (f"parameter {name}" if not pd.isna(name) else "no parameter name")
+        more = f" (and {int(na.sum()) - 1:,} more)" if int(na.sum()) > 1 else ""
+        raise TableError(
+            f"malformed verdict frame: row {pos} ({what}) has no status{more}; every row needs one of {', '.join(SEVERITY)}"
+        )
+
+
 def differences(verdicts: pd.DataFrame) -> pd.DataFrame:
-    """The verdict rows that are not ``match``."""
-    return verdicts[verdicts["status"] != "match"].reset_index(drop=True)
+    """The verdict rows that are not ``match``; a row without a status is refused (:func:`check_statuses`)."""
+    check_statuses(verdicts)
+    return verdicts[(verdicts["status"] != "match").to_numpy(dtype=bool)].reset_index(drop=True)
 
 
 def counts(verdicts: pd.DataFrame) -> dict[str, int]:
     """Rows per :func:`compare` status, every one present (zeros included), most severe first."""
+    check_statuses(verdicts)
     vc = verdicts["status"].value_counts()
     return {s: int(vc.get(s, 0)) for s in STATUSES}
 
@@ -168,7 +196,10 @@ def status_parts(verdicts: pd.DataFrame, *, name_ranks: bool = True, style: str 
     statuses their own form (``1 rank unreachable (rank 2 (tp=2): did not answer)``);
     without it, every status is a count of rows and of the ranks they are on. ``style``: how a
     rank is named (:func:`wcviz._text.rank_label`); ``most``: ranks named before ``+N more``.
+    A row without a name counts as a row of its status (only a whole-rank status without
+    names takes the whole-rank form). A row without a status is refused (:func:`check_statuses`).
     """
+    check_statuses(verdicts)
     v = verdicts.reset_index(drop=True)
     ids = _ids(v)
     located = bool(ids.notna().any().any())
@@ -176,10 +207,10 @@ def status_parts(verdicts: pd.DataFrame, *, name_ranks: bool = True, style: str 
     absent_col = v["rank_absent"] if "rank_absent" in v else pd.Series(False, index=v.index)
     parts = []
     for st in SEVERITY:
-        hit = v["status"] == st
+        hit = (v["status"] == st).to_numpy(dtype=bool)
         if not bool(hit.any()):
             continue
-        rows = ids[hit.to_numpy()]
+        rows = ids[hit]
         n = int(hit.sum())
         if st == "match":
             parts.append(f"{n:,} match")
@@ -188,18 +219,27 @@ def status_parts(verdicts: pd.DataFrame, *, name_ranks: bool = True, style: str 
         if not name_ranks:
             parts.append(f"{n:,} {st}" + (f" on {plural(len(ranks), 'rank')}" if located else ""))
             continue
-        absent = absent_col[hit.to_numpy()].to_numpy()
+        absent = absent_col[hit].to_numpy()
         labelled = rows.assign(_absent=absent).drop_duplicates(list(IDENTITY)).sort_values(list(IDENTITY), na_position="first")
         labels = [
             rank_label(r, style) + (": rank absent after reload" if st not in WHOLE_RANK and bool(r["_absent"]) else "")
             for r in labelled.to_dict(orient="records")
         ]
-        named = int(names[hit.to_numpy()].notna().sum())
-        if named:
-            parts.append(f"{named:,} {st} on {plural(len(ranks), 'rank')} ({listing(labels, most)})")
+        named = int(names[hit].notna().sum())
+        if st not in WHOLE_RANK or named:  # a finding without a name is still a finding: count its rows
+            parts.append(f"{(named if st in WHOLE_RANK else n):,} {st} on {plural(len(ranks), 'rank')} ({listing(labels, most)})")
         else:  # ranks without rows (dead, empty): no parameter to count
             parts.append(f"{plural(len(ranks), 'rank')} {st} ({listing(labels, most)}: {WHOLE_RANK.get(st, st)})")
     return parts
+
+
+def n_parameters(verdicts: pd.DataFrame) -> int:
+    """Rows about a parameter: every row but a whole-rank row (an ``unreachable``/``empty`` rank without a name)."""
+    v = verdicts
+    if "name" not in v:
+        return len(v)
+    whole = v["name"].isna().to_numpy() & v["status"].isin(list(WHOLE_RANK)).to_numpy(dtype=bool)
+    return int((~whole).sum())
 
 
 def summary(verdicts: pd.DataFrame, title: str = "end-state check") -> str:
@@ -210,10 +250,9 @@ def summary(verdicts: pd.DataFrame, title: str = "end-state check") -> str:
     shards), parameters the reset did not prove, tensors without bytes.
     """
     v = verdicts
-    n_ranks = len(_ids(v).drop_duplicates())
-    n_params = int(v["name"].notna().sum()) if "name" in v else len(v)
     parts = status_parts(v, name_ranks=True)
-    line = f"{title}: {plural(n_ranks, 'rank')}, {n_params:,} parameters: {', '.join(parts) or 'nothing to check'}"
+    n_ranks = len(_ids(v).drop_duplicates())
+    line = f"{title}: {plural(n_ranks, 'rank')}, {plural(n_parameters(v), 'parameter')}: {', '.join(parts) or 'nothing to check'}"
     swapped = v[v["same_as"].notna()] if "same_as" in v else v.iloc[:0]
     if len(swapped):
         pairs = sorted({f"{rank_label(r)} holds {r['same_as']}'s" for r in swapped.to_dict(orient="records")})

@@ -19,7 +19,7 @@ import pandas as pd
 from wcviz._errors import TableError
 from wcviz._text import rank_label
 from wcviz.frame import IDENTITY, parse_block, parse_layer
-from wcviz.verdicts import SEVERITY  # worst first: both verdict kinds' statuses
+from wcviz.verdicts import SEVERITY, check_statuses  # worst first: both verdict kinds' statuses
 
 __all__ = ["NO_RANKS", "SEVERITY", "layer_rank_counts", "layer_rank_grid"]
 
@@ -73,8 +73,7 @@ def _parts(v: pd.DataFrame) -> tuple[pd.Series, pd.Series, pd.Series]:
 
 
 def _severity(v: pd.DataFrame) -> pd.Series:
-    if "status" not in v:
-        raise TableError(f"not a verdict frame: no 'status' column (columns: {', '.join(map(str, v.columns))})")
+    check_statuses(v)  # a status column, and no row without a status
     sev = v["status"].astype("object").map({s: i for i, s in enumerate(SEVERITY)})
     if sev.isna().any():
         bad = sorted({str(s) for s in v.loc[sev.isna(), "status"].astype("object")})

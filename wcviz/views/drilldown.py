@@ -17,6 +17,7 @@ same rank's snapshot and reset digests of that parameter (full digests compared)
 from __future__ import annotations
 
 import difflib
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -41,6 +42,7 @@ HEX = 8  # hex characters shown per digest
 DRILLDOWN_KINDS = {
     "match": (".", "same as snapshot"),
     "reset": ("r", "the reset pattern (as the reset should leave it)"),
+    "unproven": ("~", "same as snapshot, but the reset did not change it (unproven)"),
     "unwritten": ("U", "equal to the reset (unwritten)"),
     "corrupted": ("C", "a third value (corrupted)"),
     "unknown": ("?", "no snapshot to compare with"),
@@ -49,6 +51,7 @@ DRILLDOWN_KINDS = {
 DRILLDOWN_COLORS = {
     "match": COLORS["match"],
     "reset": "#DCE3EC",  # neutral blue-grey: the reset column holds the reset pattern, nothing to alarm
+    "unproven": COLORS["unproven"],  # pale violet: equal to the snapshot, but nothing proves it was rewritten
     "unwritten": COLORS["unwritten"],
     "corrupted": COLORS["corrupted"],
     "unknown": "#BDBDBD",
@@ -146,8 +149,31 @@ def drilldown(frames: Mapping[str, pd.DataFrame] | pd.DataFrame, name: str) -> D
     kinds = digests.apply(lambda col: pd.Series([_judge(d, s, r) for d, s, r in zip(col, snap, reset)], index=col.index))
     if "reset" in kinds:  # in the reset phase, holding the reset pattern is what a reset does: neutral, not "unwritten"
         kinds["reset"] = kinds["reset"].where(kinds["reset"] != "unwritten", "reset")
+        # a reset that left the snapshot's value proves nothing: it, and a later phase equal to the snapshot, are unproven
+        same = (kinds["reset"] == "match").to_numpy()
+        after = list(kinds.columns)[list(kinds.columns).index("reset"):]  # the phases run snapshot, reset, reload, others
+        for p in after:
+            kinds[p] = kinds[p].where(~(same & (kinds[p] == "match").to_numpy()), "unproven")
     algos = sorted(rows["algo"].dropna().astype(str).unique()) if "algo" in rows else []
     return Drilldown(name=name, algos=algos, digests=digests, kinds=kinds.reindex(columns=phases))
+
+
+def _wrap(text: str, width: int) -> str:
+    """``text`` in lines of at most ``width`` characters, broken after a dot or a space where it can."""
+    lines, line = [], ""
+    for piece in re.findall(r"[^.\s]*(?:\.|\s+|$)", text):
+        while len(piece) > width:  # one piece longer than a line: cut it
+            if line:
+                lines.append(line)
+                line = ""
+            lines.append(piece[:width])
+            piece = piece[width:]
+        if len(line) + len(piece) > width and line:
+            lines.append(line)
+            line = ""
+        line += piece
+    lines.append(line)
+    return "\n".join(x.rstrip() for x in lines if x.strip())
 
 
 def _title(d: Drilldown) -> str:
@@ -159,7 +185,9 @@ def drilldown_text(frames: Mapping[str, pd.DataFrame] | pd.DataFrame, name: str)
 
     Phases run snapshot, reset, reload, then any others in the order given. Marks:
     ``.`` same as the rank's snapshot, ``r`` the reset pattern in the reset phase (what
-    a reset leaves), ``U`` equal to its reset after it (unwritten), ``C`` a third value
+    a reset leaves), ``~`` same as the snapshot where the reset left the snapshot's value
+    (unproven: the reset, and a reload equal to the snapshot after it),
+    ``U`` equal to its reset after it (unwritten), ``C`` a third value
     (corrupted), ``?`` no snapshot to compare with, ``-`` no row.
     Raises ``ValueError`` naming an unknown parameter and suggesting close names.
     """
@@ -182,9 +210,11 @@ def drilldown_text(frames: Mapping[str, pd.DataFrame] | pd.DataFrame, name: str)
 def plot_drilldown(frames: Mapping[str, pd.DataFrame] | pd.DataFrame, name: str, *, ax: Axes | None = None) -> Figure:
     """One parameter's digest per rank (rows) and phase (columns), coloured by what it equals.
 
-    Grey-green: the rank's snapshot; orange: its reset digest (unwritten); red: a
-    third value (corrupted); light grey: no snapshot to compare with; white: no
-    row. Cells show the first 8 hex characters (up to 400 cells). Rows are
+    Grey-green: the rank's snapshot; blue-grey: the reset pattern in the reset
+    column; pale violet: the snapshot's value where the reset did not change it
+    (unproven); orange: its reset digest (unwritten); red: a third value
+    (corrupted); light grey: no snapshot to compare with; white: no row. A long
+    name wraps in the title, never cut off. Cells show the first 8 hex characters (up to 400 cells). Rows are
     labelled by rank coordinates, thinned to what fits. Draws on ``ax`` when
     given, else on a new :class:`~matplotlib.figure.Figure`.
     """
@@ -201,7 +231,8 @@ def plot_drilldown(frames: Mapping[str, pd.DataFrame] | pd.DataFrame, name: str,
         ax = fig.add_subplot()
     else:
         fig = ax.get_figure()  # type: ignore[assignment]  # a SubFigure draws and saves alike
-    ax.set_title(_title(d), fontsize=9)
+    fits = max(20, int((fig.get_size_inches()[0] - 1.0) * 72 / (9 * 0.62)))  # characters of a 9 pt title right of the rank labels
+    ax.set_title(_wrap(_title(d), fits), fontsize=9, loc="left")
     colors = [DRILLDOWN_COLORS[k] for k in _KINDS]
     codes = d.kinds.apply(lambda col: col.map(_KINDS.index)).to_numpy(dtype=int)
     norm = BoundaryNorm([i - 0.5 for i in range(len(colors) + 1)], len(colors))

@@ -11,6 +11,7 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+import numpy as np
 import pandas as pd
 
 from wcviz.views._grid import SEVERITY, grid_of, nonmatch_counts, worst_severity
@@ -66,6 +67,73 @@ def _ink(color: str) -> str:
     return "black" if 0.299 * r + 0.587 * g + 0.114 * b > 0.55 else "white"
 
 
+_PROBLEM_EDGE = "#B2182B"
+_MIN_CELL_PX = 4.0  # a cell narrower or lower than this may vanish in the image: its findings get a marker
+_MARKER_PT = 4.0
+
+
+def _kept_mask(keep: Sequence[bool] | pd.Series, n: int) -> np.ndarray:
+    mask = np.asarray(keep, dtype=bool)
+    if mask.shape != (n,):
+        raise ValueError(f"keep needs one flag per verdict row ({n:,}), got {mask.shape[0] if mask.ndim else 0:,}")
+    return mask
+
+
+def _cells(ax: Axes, where: np.ndarray, hatch: str, edge: str, gid: str) -> None:
+    """Hatch the cells ``where`` marks (a part × rank boolean array) with one collection."""
+    from matplotlib.collections import PatchCollection
+    from matplotlib.patches import Rectangle
+
+    rects = [Rectangle((j - 0.5, i - 0.5), 1.0, 1.0) for i, j in zip(*where.nonzero())]
+    coll = PatchCollection(rects, facecolor="none", edgecolor=edge, hatch=hatch, linewidth=0.0)
+    coll.set_gid(gid)
+    ax.add_collection(coll, autolim=False)
+
+
+def _hatch_partly(ax: Axes, worst: pd.DataFrame, partly: pd.DataFrame) -> list:
+    """Cells with rows both kept and filtered out: hatched (dark red where what is filtered out is not all match)."""
+    from matplotlib.patches import Patch
+
+    mixed = (worst.notna() & partly.notna()).to_numpy()
+    hidden_bad = mixed & (partly.fillna(len(SEVERITY)).to_numpy() != SEVERITY.index("match"))
+    handles = []
+    if (mixed & ~hidden_bad).any():
+        _cells(ax, mixed & ~hidden_bad, "///", "#8C8C8C", "filtered")
+        handles.append(Patch(facecolor="white", edgecolor="#8C8C8C", hatch="///", label="partly filtered out"))
+    if hidden_bad.any():
+        _cells(ax, hidden_bad, "xxx", _PROBLEM_EDGE, "filtered_problem")
+        handles.append(Patch(facecolor="white", edgecolor=_PROBLEM_EDGE, hatch="xxx", label="filtered out here:\nrows not match"))
+    return handles
+
+
+def _mark_nonmatch(ax: Axes, fig: Figure, worst: pd.DataFrame, colors: list[str]) -> list:
+    """Where cells are smaller than a few pixels, every non-match cell again as a marker that stays visible."""
+    from matplotlib.lines import Line2D
+
+    n_rows, n_cols = worst.shape
+    box = ax.get_position()
+    w_in, h_in = fig.get_size_inches()
+    cell_w = box.width * w_in * fig.dpi / max(1, n_cols)
+    cell_h = box.height * h_in * fig.dpi / max(1, n_rows)
+    if min(cell_w, cell_h) >= _MIN_CELL_PX:
+        return []
+    sev = worst.fillna(len(SEVERITY)).to_numpy(dtype=int)
+    bad = sev < SEVERITY.index("match")
+    if not bad.any():
+        return []
+    rows, cols = bad.nonzero()
+    order = np.argsort(-sev[rows, cols], kind="stable")  # the worst drawn last, on top
+    rows, cols = rows[order], cols[order]
+    lims = ax.get_xlim(), ax.get_ylim()
+    points = ax.scatter(cols, rows, s=_MARKER_PT**2, marker="s", c=[colors[k] for k in sev[rows, cols]],
+                        edgecolors="black", linewidths=0.3, zorder=3)
+    points.set_gid("nonmatch")
+    ax.set_xlim(*lims[0])
+    ax.set_ylim(*lims[1])  # the image's extent, not the markers'
+    return [Line2D([], [], linestyle="none", marker="s", markersize=_MARKER_PT, markerfacecolor="white", markeredgecolor="black",
+                   label="cell not match\n(enlarged: the cells\nare too small to see)")]
+
+
 def plot_layer_rank(
     verdicts: pd.DataFrame, *, ax: Axes | None = None, title: str | None = None, keep: Sequence[bool] | pd.Series | None = None
 ) -> Figure:
@@ -80,7 +148,12 @@ def plot_layer_rank(
     new :class:`~matplotlib.figure.Figure` sized to the grid (not registered
     with pyplot). ``keep``: one flag per verdict row, what a filter keeps; cells
     whose rows are all filtered out are drawn in :data:`FILTERED_COLOR` (light grey,
-    "filtered out"), and counts count the kept rows only.
+    "filtered out"), counts count the kept rows only, and a cell that is only partly
+    filtered is hatched (gid ``filtered``; in dark red, gid ``filtered_problem``, where
+    the rows filtered out of it are not all ``match``), so no filter makes a finding
+    look like a match; the title then says "(filtered)". Where the grid has more
+    ranks or parts than the image has pixels, every non-``match`` cell is drawn again
+    as a marker of a few points (gid ``nonmatch``), so none is lost in the resampling.
     """
     from matplotlib.colors import BoundaryNorm, ListedColormap
     from matplotlib.figure import Figure
@@ -97,7 +170,15 @@ def plot_layer_rank(
         ax = fig.add_subplot()
     else:
         fig = ax.get_figure()  # type: ignore[assignment]  # a SubFigure draws and saves alike
-    ax.set_title(title if title is not None else "worst status per model part and rank")
+    if keep is not None:
+        kept = _kept_mask(keep, len(verdicts))
+        cut = ~kept
+        partly = worst_severity(lay, cut) if cut.any() else None  # worst status of what the filter left out, per cell
+    else:
+        partly = None
+    filtered = partly is not None and bool(partly.notna().to_numpy().any())
+    shown_title = title if title is not None else "worst status per model part and rank"
+    ax.set_title(shown_title + (" (filtered)" if filtered and title is None else ""))
     if not n_rows:
         ax.text(0.5, 0.5, "no verdicts", ha="center", va="center", transform=ax.transAxes)
         ax.set_axis_off()
@@ -135,5 +216,8 @@ def plot_layer_rank(
     drawn = sorted({int(c) for c in codes.ravel()})
     extra = {len(SEVERITY): "not held", len(SEVERITY) + 1: "filtered out"}
     handles = [Patch(facecolor=colors[c], edgecolor="#888888", label=SEVERITY[c] if c < len(SEVERITY) else extra[c]) for c in drawn]
+    if partly is not None:
+        handles += _hatch_partly(ax, worst, partly)
+    handles += _mark_nonmatch(ax, fig, worst, colors)
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False, fontsize=8, title="status", title_fontsize=8)
     return fig

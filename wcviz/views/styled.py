@@ -14,6 +14,7 @@ import pandas as pd
 
 from wcviz._errors import TableError
 from wcviz.frame import IDENTITY
+from wcviz.verdicts import check_statuses
 from wcviz.views.plots import COLORS
 
 if TYPE_CHECKING:
@@ -47,10 +48,7 @@ def style_verdicts(verdicts: pd.DataFrame, *, uuid: str = "wcviz-verdicts", colu
     8 hex characters; missing values show as empty. The uuid is fixed, so
     ``to_html()`` gives the same HTML for the same frame in every run.
     """
-    if not isinstance(verdicts, pd.DataFrame):
-        raise TableError(f"expected a verdict DataFrame, got {type(verdicts).__name__}")
-    if "status" not in verdicts:
-        raise TableError(f"not a verdict frame: no 'status' column (columns: {', '.join(map(str, verdicts.columns))})")
+    check_statuses(verdicts)  # a verdict frame, and no row without a status
     unknown = sorted(set(verdicts["status"].dropna().astype(str)) - set(COLORS))
     if unknown:
         raise TableError(f"column 'status' has {', '.join(unknown)}; expected one of {', '.join(COLORS)}")

@@ -12,11 +12,14 @@
 
 Each cell is one engine rank: its rank, the mark (:data:`~wcviz.views.MARKS`) or
 colour (:data:`~wcviz.views.COLORS`) of its worst status and how many of its rows
-are not ``match``. Rows are (DP replica, PP stage), columns TP ranks, grouped under
+are not ``match`` (``no answer`` / ``empty`` for a rank that did not answer or held
+no parameters: its one row is no parameter). Rows are (DP replica, PP stage), columns TP ranks, grouped under
 the host that runs them. A missing coordinate counts as 0 (one replica, one stage);
 without any TP coordinate a row's ranks stand side by side in rank order. Rows of
 role ``trainer`` (column ``role``, else ``role_actual``) are not drawn: they mark the
-hosts the trainer shares with the engine (a frame of trainer rows only is drawn as
+hosts the trainer shares with the engine, and a note under the drawing says what they
+hold (``not shown: trainer rows: 1 mismatch on 1 rank (rank 1 (pp=0 tp=1)), 3 match``),
+so a finding on a trainer rank is never hidden (a frame of trainer rows only is drawn as
 it is). Both verdict kinds are read; only ``status``, the identity columns,
 ``host`` and the role column are used.
 """
@@ -33,7 +36,8 @@ import pandas as pd
 
 from wcviz._errors import TableError
 from wcviz._text import plural
-from wcviz.views._grid import SEVERITY, grid_of
+from wcviz.verdicts import WHOLE_RANK, status_parts
+from wcviz.views._grid import SEVERITY, _severity, grid_of
 from wcviz.views.plots import COLORS, _ink
 from wcviz.views.text import MARKS
 
@@ -47,6 +51,8 @@ TRAINER = "trainer"
 COLOCATED = "trainer on this host"
 _NO_HOST = "\x00no host"  # groups ranks that never said where they run; never shown
 _MATCH = SEVERITY.index("match")
+WHOLE_RANK_NOTE = {"unreachable": "no answer", "empty": "empty"}  # a cell's note in place of a count
+assert set(WHOLE_RANK_NOTE) == set(WHOLE_RANK)
 
 
 @dataclass(frozen=True)
@@ -71,8 +77,11 @@ class Topology:
     ``cells``: one row per cell with ``group`` (index into ``groups``), ``row``
     (index into the group's ``rows``), ``col`` (index into ``columns``), ``label``
     (``r5``; ``r5+2`` when several ranks share a position), ``severity`` (worst,
-    index into ``SEVERITY``) and ``count`` (non-match rows). ``groups``: one per
-    host, in the order of their lowest rank (unreported hosts last).
+    index into ``SEVERITY``), ``count`` (non-match rows about parameters) and ``note``
+    (``no answer``/``empty`` where a whole-rank row speaks for the rank, else "").
+    ``groups``: one per host, in the order of their lowest rank (unreported hosts
+    last). ``not_shown``: what the rows left out of the drawing (trainer ranks) hold,
+    or None; ``not_shown_bad``: whether any of them is not ``match``.
     """
 
     cells: pd.DataFrame
@@ -82,6 +91,8 @@ class Topology:
     located: bool
     sizes: dict[str, int]
     trainer_hosts: list[str]
+    not_shown: str | None = None
+    not_shown_bad: bool = False
 
     @property
     def colocated(self) -> list[str]:
@@ -116,22 +127,36 @@ def topology(verdicts: pd.DataFrame) -> Topology:
     v = verdicts.reset_index(drop=True)
     trainer = (_roles(v) == TRAINER).fillna(False).astype(bool)
     hosts = _hosts(v)
-    engine = v[~trainer] if (~trainer).any() else v
-    trainer_hosts = sorted({str(h) for h in hosts[trainer].dropna()}) if (~trainer).any() else []
+    _severity(v)  # refuses a malformed frame (no status, an unknown one) before anything is left out
+    split = bool((~trainer).any() and trainer.any())
+    engine = v[~trainer] if split else v
+    trainer_hosts = sorted({str(h) for h in hosts[trainer].dropna()}) if split else []
+    not_shown, not_shown_bad = None, False
+    if split:  # left out of the drawing, never out of sight: what they hold is said under it
+        left_out = v[trainer.to_numpy()]
+        not_shown = "not shown: trainer rows: " + ", ".join(status_parts(left_out, name_ranks=True))
+        not_shown_bad = bool((left_out["status"] != "match").any())
     engine_hosts = hosts[engine.index].reset_index(drop=True)
-    lay = grid_of(engine.reset_index(drop=True))
+    engine = engine.reset_index(drop=True)
+    lay = grid_of(engine)
     rows = lay.cells.drop_duplicates("row")
     if not len(rows):
-        return Topology(pd.DataFrame(columns=["group", "row", "col", "label", "severity", "count"]), [], [], 0, False, {}, trainer_hosts)
+        empty = pd.DataFrame(columns=["group", "row", "col", "label", "severity", "count", "note"])
+        return Topology(empty, [], [], 0, False, {}, trainer_hosts, not_shown, not_shown_bad)
 
+    names = engine["name"] if "name" in engine else pd.Series(pd.NA, index=engine.index, dtype="object")
+    status = engine["status"].astype("object")
+    whole = (names.isna() & status.isin(list(WHOLE_RANK))).to_numpy()[rows["row"].to_numpy()]  # no parameter: a rank's one row
     per_rank = pd.DataFrame({
         "rank_label": rows["rank"].to_numpy(),
         "severity": rows["severity"].to_numpy(),
-        "bad": (rows["severity"] != _MATCH).to_numpy().astype("int64"),
+        "bad": ((rows["severity"] != _MATCH).to_numpy() & ~whole).astype("int64"),
+        "whole": [WHOLE_RANK_NOTE[str(st)] if w else "" for st, w in zip(status.to_numpy()[rows["row"].to_numpy()], whole)],
         "host": engine_hosts.loc[rows["row"]].to_numpy(),
     })
     ranks = per_rank.groupby("rank_label", sort=False).agg(
-        severity=("severity", "min"), count=("bad", "sum"), host=("host", "first")  # first non-NA host
+        severity=("severity", "min"), count=("bad", "sum"), host=("host", "first"),  # first non-NA host
+        note=("whole", lambda w: ", ".join(dict.fromkeys(x for x in w if x))),
     )
     coords = lay.coords.loc[lay.ranks]
     ranks = ranks.reindex(lay.ranks)
@@ -171,7 +196,8 @@ def topology(verdicts: pd.DataFrame) -> Topology:
         pieces.append(cell)
     placed = pd.concat(pieces)
     agg = placed.sort_values("order").groupby(["group", "row", "col"], sort=True).agg(
-        severity=("severity", "min"), count=("count", "sum"), first=("name", "first"), n=("order", "size")
+        severity=("severity", "min"), count=("count", "sum"), first=("name", "first"), n=("order", "size"),
+        note=("note", lambda w: ", ".join(dict.fromkeys(x for x in w if x))),
     ).reset_index()
     cols = sorted(agg["col"].unique())
     col_index = {c: i for i, c in enumerate(cols)}
@@ -179,13 +205,15 @@ def topology(verdicts: pd.DataFrame) -> Topology:
     agg["col"] = agg["col"].map(col_index)
     sizes: dict[str, int] = {c: int(coords[c].nunique()) for c in ("dp", "pp", "tp") if c in used}
     return Topology(
-        cells=agg[["group", "row", "col", "label", "severity", "count"]].astype({"severity": "int64", "count": "int64"}),
+        cells=agg[["group", "row", "col", "label", "severity", "count", "note"]].astype({"severity": "int64", "count": "int64"}),
         groups=groups,
         columns=[col_name.format(c) for c in cols],
         n_ranks=len(ranks),
         located=bool(lay.used),
         sizes=sizes,
         trainer_hosts=trainer_hosts,
+        not_shown=not_shown,
+        not_shown_bad=not_shown_bad,
     )
 
 
@@ -214,10 +242,10 @@ def topology_text(verdicts: pd.DataFrame) -> str:
     """
     top = topology(verdicts)
     if not top.groups:
-        return "no verdicts"
+        return "no verdicts" + (f"\n{top.not_shown}" if top.not_shown else "")
     cells = top.cells.assign(text=[
-        f"{label} {MARKS[SEVERITY[s]]}{count if count else ''}"
-        for label, s, count in zip(top.cells["label"], top.cells["severity"], top.cells["count"])
+        f"{label} {MARKS[SEVERITY[s]]}{count if count else ''}" + (f" {note}" if note else "")
+        for label, s, count, note in zip(top.cells["label"], top.cells["severity"], top.cells["count"], top.cells["note"])
     ])
     width = max(len(t) for t in [*cells["text"], *top.columns])
     label_w = max(len(r) for g in top.groups for r in g.rows)
@@ -238,6 +266,8 @@ def topology_text(verdicts: pd.DataFrame) -> str:
     trainer = _trainer_line(top)
     if trainer:
         out.append(trainer)
+    if top.not_shown:
+        out.append(top.not_shown)
     return "\n".join(out)
 
 
@@ -316,7 +346,7 @@ def plot_topology(verdicts: pd.DataFrame, *, ax: Axes | None = None, title: str 
     slots = max((sum(heights[g] + (gaps[g] if i else 0.0) for i, g in enumerate(p)) for p in panels), default=1.0)
     if ax is None:
         width = min(22.0, max(4.5, len(panels) * panel_w * cell_in + 1.9))
-        height = min(16.0, max(2.0, (slots + 1.0) * _ROW_H + 0.7))
+        height = min(16.0, max(2.0, (slots + 1.0) * _ROW_H + 0.7)) + (0.5 if top.not_shown else 0.0)
         fig = Figure(figsize=(width, height), layout="constrained")
         ax = fig.add_subplot()
     else:
@@ -327,6 +357,10 @@ def plot_topology(verdicts: pd.DataFrame, *, ax: Axes | None = None, title: str 
     fits = max(20, int(fig.get_size_inches()[0] * 72 / (10 * 0.62)))  # characters of a 10 pt title across the figure
     ax.set_title(textwrap.fill(shown_title, fits), fontsize=10, loc="left")  # from the left edge: never cut off there
     ax.set_axis_off()
+    if top.not_shown:  # rows not drawn (trainer ranks): what they hold, under the drawing, red when it is a finding
+        ax.text(0.0, -0.02, textwrap.fill(top.not_shown, int(fits * 1.1)), transform=ax.transAxes, ha="left", va="top",
+                fontsize=9, color="#B2182B" if top.not_shown_bad else "#555555",
+                fontweight="bold" if top.not_shown_bad else "normal", gid="note")
     if not top.groups:
         ax.text(0.5, 0.5, "no verdicts", ha="center", va="center", transform=ax.transAxes)
         return fig
@@ -355,7 +389,8 @@ def plot_topology(verdicts: pd.DataFrame, *, ax: Axes | None = None, title: str 
                 cy = ys[r.row]
                 ax.add_patch(Rectangle((x0 + r.col + 0.04, cy + 0.05), 0.92, 0.9, facecolor=color,
                                        edgecolor="white", linewidth=0.5, gid="cell"))
-                ax.text(x0 + r.col + 0.5, cy + 0.5, r.label + (f"\n{r.count}" if r.count else ""), ha="center",
+                under = ", ".join([str(r.count)] * bool(r.count) + [r.note] * bool(r.note))  # a count, or why there is none
+                ax.text(x0 + r.col + 0.5, cy + 0.5, r.label + (f"\n{under}" if under else ""), ha="center",
                         va="center", fontsize=font, color=_ink(color), linespacing=0.9, gid="cell")
             ax.add_patch(Rectangle(
                 (x0 - 0.03, ys[0] - 0.02), n_cols + 0.06, ys[-1] + 1.04 - ys[0], fill=False,

@@ -87,9 +87,9 @@ class ViewArea:
         key = _VIEW_ALIASES.get(name, name)
         if key not in VIEWS:
             raise ValueError(f"unknown view {name!r}; choose one of {', '.join(VIEWS)}")
-        failed = len(self.exceptions)
+        last = self.exceptions[-1][1] if self.exceptions else None
         self.view.value = key  # renders through the observer, which records what fails
-        if len(self.exceptions) > failed:
+        if self.exceptions and self.exceptions[-1][1] is not last and self.exceptions[-1][0] == "view":
             raise self.exceptions[-1][1]
 
     def _update_choices(self) -> None:
@@ -102,13 +102,19 @@ class ViewArea:
         return _classed(widgets.HTML(f"<i>{html.escape(text)}</i>"), "empty")
 
     def _show_view(self) -> None:
-        """Draw the view; a view that fails is recorded (as ``view``), never as the failure of the action that drew it."""
+        """Draw the view; a view that fails is recorded (as ``view``), never as the failure of the action that drew it.
+
+        A view drawn without error clears the errors of views drawn before it (they no
+        longer describe what is shown); the errors of actions stay.
+        """
         self._figure = None
         try:
             self._draw()
         except Exception as e:  # noqa: BLE001 - shown in the errors area and the view area
             self.view_area.children = (self._placeholder(f"the {self.view.value} view failed: {' '.join(str(e).split())}"),)
             self.exceptions.append(("view", e))
+        else:
+            self.exceptions[:] = [(a, e) for a, e in self.exceptions if a != "view"]
         if self.state.stopped is not None:  # what is drawn is from before: say so above it
             banner = f"stale: {self.state.stopped}. These are the last results."
             self.view_area.children = (_classed(widgets.HTML(f"<b>{html.escape(banner)}</b>"), "stale"), *self.view_area.children)

@@ -21,7 +21,7 @@ from wcviz._text import plural, rank_label
 from wcviz.endstate import PHASES, EndStateReport, EndStateSession, Fleet, classify, reset_coverage
 from wcviz.frame import IDENTITY
 from wcviz.sources import FetchResult
-from wcviz.verdicts import compare, status_parts
+from wcviz.verdicts import check_statuses, compare, n_parameters, status_parts
 from wcviz.widgets.filters import ALL, NOT_MATCH, VerdictFilters
 
 __all__ = ["ALL", "FLOW", "NOT_MATCH", "DashboardState"]
@@ -112,6 +112,7 @@ class DashboardState(VerdictFilters):
         self.kind = _frames_kind(source)
         self.token = token
         if self.kind == "verdicts":
+            check_statuses(source)  # a row without a status is malformed: refused here, never drawn as neither
             self.verdicts = source.reset_index(drop=True)
         elif self.kind is not None:
             self.frames = dict(source)
@@ -174,6 +175,8 @@ class DashboardState(VerdictFilters):
             return None
         if step != "compare" and self.mutation_block is not None:
             return self.mutation_block
+        if step == "snapshot" and self.reset_started and not self.reloaded:
+            return "reload first: the ranks hold the reset pattern (3 Reload writes the weights back)"
         if step == "reset":
             if "snapshot" not in self.frames:
                 return "take the snapshot first (1 Snapshot): without it nothing can be compared"
@@ -193,6 +196,11 @@ class DashboardState(VerdictFilters):
             if todo:
                 return f"run {', '.join(todo)} first"
         return None
+
+    @property
+    def reloaded(self) -> bool:
+        """Whether a reload ran to its digests since the reset, and left no rank poisoned."""
+        return "reload" in self.frames and (self.session is None or not len(self.session.poisoned))
 
     @property
     def next_step(self) -> str | None:
@@ -371,17 +379,16 @@ class DashboardState(VerdictFilters):
         else:
             head = plural(n, "rank")
         parts = [head]
-        if (v["status"] == "empty").any():
-            parts.append(f"{plural(len(_ranks(v[v['status'] == 'empty'])), 'rank')} empty (answered with no parameters)")
         rep = self.report
         if rep is not None and len(rep.poisoned):
             labels = ", ".join(sorted({rank_label(r, "role") for r in rep.poisoned.to_dict(orient="records")}))
             parts.insert(0, f"RELOAD FAILED on {labels}: still poisoned")
-        named = v[v["name"].notna()] if "name" in v else v
-        findings = status_parts(named[~named["status"].isin(["unreachable", "empty"])], name_ranks=True, style="short", most=3)
-        if findings == [f"{len(named):,} match"] and len(named):
-            findings = [f"all {len(named):,} parameters match"]
-        parts += findings or (["no parameters"] if not len(named) else [])
+        # every row counts, a finding without a name and a whole rank (unreachable, empty: named) included
+        findings = status_parts(v, name_ranks=True, style="short", most=3)
+        n_params = n_parameters(v)
+        if len(v) and bool((v["status"] == "match").all()):
+            findings = [f"all {plural(n_params, 'parameter')} match" if n_params != 1 else "the 1 parameter matches"]
+        parts += findings or ["no parameters"]
         if rep is not None and len(rep.problems) > len(rep.poisoned):
             parts.append(f"{plural(len(rep.problems) - len(rep.poisoned), 'problem')} (see errors)")
         return "; ".join(parts)

@@ -93,6 +93,7 @@ class Dashboard(ViewArea):
     def __init__(self, source: Any, *, token: str | None = None, progress: bool = True, timeout_s: float = 60.0, retries: int = 2) -> None:
         self.progress_enabled = bool(progress)
         self._busy = False
+        self._reverting = False  # the search box put back after an invalid filter (not a person's choice)
         self._drill_sync = False
         self._figure: Figure | None = None
         self._build()
@@ -152,7 +153,8 @@ class Dashboard(ViewArea):
         """A selector or the search changed: hand it to the state, draw again (an action in progress draws once at its end).
 
         A parameter filter that is not a regular expression is an error in the errors
-        area; the filter stays what it was.
+        area; the filter stays what it was. A valid one clears earlier filter errors, and
+        a view drawn without error clears earlier view errors.
         """
         self.state.role_filter, self.state.status_filter = self.role.value, self.status.value
         if change["owner"] is self.search:
@@ -161,8 +163,14 @@ class Dashboard(ViewArea):
             except ValueError as e:
                 self.exceptions.append(("filter", e))
                 self._show_errors()
-                self.search.value = self.state.search  # the box shows the filter that applies (the error says what was typed)
+                self._reverting = True
+                try:
+                    self.search.value = self.state.search  # the box shows the filter that applies (the error says what was typed)
+                finally:
+                    self._reverting = False
                 return
+            if not self._reverting:  # a valid filter typed: earlier filter errors no longer apply
+                self.exceptions[:] = [(a, e) for a, e in self.exceptions if a != "filter"]
         if self._busy:
             return
         self._show_view()
