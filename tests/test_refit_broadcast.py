@@ -197,6 +197,10 @@ def _scenarios() -> list[dict[str, Any]]:
         {"name": "partial nothing enforce", "verify": "enforce", "send": [], "send_kwargs": {"partial": True}},
         # rank 2 declares one more parameter after prepare: the sender must not check it against the old metadata
         {"name": "metadata changed after prepare", "verify": "enforce", "stale": 2},
+        # rank 2's engine declares one more parameter while it loads: its batches were sliced by the old metadata
+        {"name": "metadata changed during the stream", "verify": "enforce", "midstream": 2},
+        # rank 1 re-declares the same metadata in another spelling: nothing changed, nothing to refuse
+        {"name": "metadata respelled after prepare", "verify": "enforce", "respelled": 1},
         {"name": "no digests", "verify": "log", "engine_verify": {2: "off"}},
         {"name": "drift same size", "verify": "log", "drift": {2: {GATE: ((16, 32), F32)}}},
         # rank 2: k_proj's aligned size changes and model.steps is unknown (its walk fails); rank 1: v_proj
@@ -314,8 +318,11 @@ def _run_engine(rank: int, sc: dict[str, Any], group: Any, q: Any) -> dict[str, 
 
     model = TinyLlama(sc.get("drift", {}).get(rank))
     dies_loading = sc.get("dead") == rank and sc.get("subgroup")
+    me: list[Any] = []  # the receiver, once made (for a load that changes its metadata mid-stream)
 
     def load(batch: list[tuple[str, torch.Tensor]]) -> None:
+        if sc.get("midstream") == rank and me:
+            me[0].metadata = {**me[0].metadata, "model.extra.weight": _packing.Meta((3,), "float32")}
         if dies_loading:
             q.put(("dying", rank, sc["name"]))
             q.close()
@@ -332,9 +339,12 @@ def _run_engine(rank: int, sc: dict[str, Any], group: Any, q: Any) -> dict[str, 
         faults=sc.get("faults"),
         timeout_s=sc.get("barrier_timeout_s"),
     )
+    me.append(receiver)
     receiver.prepare()
     if sc.get("stale") == rank:
         receiver.metadata = {**receiver.metadata, "model.extra.weight": _packing.Meta((3,), "float32")}
+    if sc.get("respelled") == rank:  # the same metadata in another spelling: list shapes, torch dtypes
+        receiver.metadata = {n: (list(m.shape), getattr(torch, m.dtype)) for n, m in receiver.metadata.items()}
     if sc.get("dead") == rank and not sc.get("subgroup"):
         q.put(("dying", rank, sc["name"]))
         q.close()
@@ -569,6 +579,19 @@ def test_a_stated_partial_refit_of_nothing_is_not_verified_on_any_engine(world):
     assert sent["ok"] is False and sent["error"]["type"] == "BroadcastDigestMismatch", sent.get("error")
     assert all(f"rank {rank}: refit verified nothing" in sent["error"]["message"] for rank in ENGINES)
     assert "none was expected" in sent["error"]["message"]
+
+
+def test_an_engine_whose_metadata_changes_while_it_loads_is_named_not_passed(world):
+    sent = rec(world, "metadata changed during the stream", 0)
+    assert sent["error"]["type"] == "RefitProtocolError", sent
+    assert "rank 2: this engine's metadata changed during the refit" in sent["error"]["message"]
+    assert rec(world, "metadata changed during the stream", 2)["error"]["type"] == "RefitProtocolError"
+
+
+def test_the_same_metadata_in_another_spelling_is_not_a_change(world):
+    sent = rec(world, "metadata respelled after prepare", 0)
+    assert sent.get("ok") is True and "error" not in sent, sent
+    assert "error" not in rec(world, "metadata respelled after prepare", 1)
 
 
 def test_an_engine_whose_metadata_changed_after_prepare_is_named_not_passed(world):

@@ -1200,3 +1200,91 @@ def test_a_late_reply_to_a_request_given_up_on_is_not_the_next_reply() -> None:
             rep.close(0)
             ctx.term()
     assert seen == [{"op": "prepare"}, True, {"op": "prepare"}]
+
+
+def _receiver_on_thread(address: str, metadata: dict[str, Any], load: Any, serves: int) -> tuple[Any, Any, dict[str, Any]]:
+    """A receiver (returned, for the test to alter) serving ``serves`` streams on a thread; errors land in ``out``."""
+    receiver = IPCReceiver(address, metadata, load, verify="enforce", timeout_s=10)
+    out: dict[str, Any] = {"errors": []}
+
+    def run() -> None:
+        for _ in range(serves):
+            try:
+                receiver.serve()
+            except BaseException as e:  # noqa: BLE001 -- the test reads it
+                out["errors"].append(e)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return receiver, thread, out
+
+
+def test_editing_what_prepare_returned_changes_nothing_the_sender_checks() -> None:
+    """prepare() returned the sender's own cache: trimming it to what one sends made the next prepare "unchanged"
+    and the declared b, never sent, went unreported."""
+    w = {"a": torch.randn(8), "b": torch.randn(8)}
+    with IPCSender(verify="enforce", timeout_s=10) as sender:
+        receiver, thread, out = _receiver_on_thread(sender.address, {n: ((8,), "float32") for n in w}, lambda batch: None, 2)
+        with receiver:
+            assert sender.send(w).ok
+            declared = sender.prepare()
+            declared.pop("b")
+            sender.metadata = declared  # a caller's own copy, however it got it
+            with pytest.raises(RefitDigestMismatch, match="declared by the receiver, never sent: b"):
+                sender.send({"a": w["a"]})
+            thread.join(20)
+    assert out["errors"] == []
+
+
+def test_a_receiver_whose_metadata_changes_while_it_loads_is_refused_not_verified() -> None:
+    w = {"a": torch.randn(8), "b": torch.randn(8)}
+    holder: list[Any] = []
+
+    def load(batch: list[tuple[str, torch.Tensor]]) -> None:  # the engine re-declares b and adds c mid-stream
+        holder[0].metadata = {"a": ((8,), "float32"), "b": ((8,), "int32"), "c": ((4,), "float32")}
+
+    with IPCSender(verify="enforce", timeout_s=10) as sender:
+        receiver, thread, out = _receiver_on_thread(sender.address, {n: ((8,), "float32") for n in w}, load, 1)
+        holder.append(receiver)
+        with receiver:
+            with pytest.raises(RefitProtocolError, match="changed its metadata during the refit"):
+                sender.send(w)
+            thread.join(20)
+    assert len(out["errors"]) == 1 and "changed its metadata during the refit" in str(out["errors"][0])
+
+
+def test_the_same_metadata_in_another_spelling_is_unchanged_and_served() -> None:
+    """Reassigned as list shapes and torch dtypes, the metadata could not be sent as JSON: the sender waited out
+    its timeout. It is the same metadata: one form, one fingerprint, nothing resent."""
+    w = {"a": torch.randn(4, 8)}
+    wire: list[tuple[str, dict[str, Any]]] = []
+    with IPCSender(verify="enforce", timeout_s=10, wire_log=wire) as sender:
+        receiver, thread, out = _receiver_on_thread(sender.address, {"a": ((4, 8), "float32")}, lambda batch: None, 2)
+        with receiver:
+            assert sender.send(w).ok
+            receiver.metadata = {"a": ([4, 8], torch.float)}
+            assert sender.send(w).ok
+            thread.join(20)
+    assert out["errors"] == []
+    replies = [body for kind, body in wire if kind == "recv" and body.get("op") == "info"]
+    assert "metadata" in replies[0] and replies[1] == {"op": "info", "unchanged": True}
+
+
+def test_a_ctrl_c_inside_load_weights_leaves_a_receiver_that_serves_again() -> None:
+    """Its REP socket owed the sender a reply; unanswered, every later serve and prepare timed out."""
+    w = {"a": torch.randn(8)}
+    calls = {"n": 0}
+
+    def load(batch: list[tuple[str, torch.Tensor]]) -> None:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise KeyboardInterrupt
+
+    with IPCSender(verify="enforce", timeout_s=10) as sender:
+        receiver, thread, out = _receiver_on_thread(sender.address, {"a": ((8,), "float32")}, load, 2)
+        with receiver:
+            with pytest.raises(RefitProtocolError, match="KeyboardInterrupt"):
+                sender.send(w)
+            assert sender.send(w).ok
+            thread.join(20)
+    assert [type(e) for e in out["errors"]] == [KeyboardInterrupt]

@@ -58,12 +58,14 @@ def fingerprint(declared: Mapping[str, Meta]) -> str:
     """SHA-256 (hex) of a receiver's declared metadata in a canonical form: names, shapes and dtypes.
 
     Both ends compute it to learn, without sending the metadata again, whether a
-    receiver still declares what it declared when the sender learnt it.
+    receiver still declares what it declared when the sender learnt it. Raises
+    what :func:`metadata` raises for metadata that is not metadata.
     """
     import hashlib
     import json
 
-    canonical = {name: [[int(d) for d in shape], str(dtype)] for name, (shape, dtype) in declared.items()}
+    exact = metadata(declared)  # one form for every spelling: (1, 2) and [1, 2], torch.float and "float32"
+    canonical = {name: [[int(d) for d in shape], str(dtype)] for name, (shape, dtype) in exact.items()}
     return hashlib.sha256(json.dumps(canonical, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 

@@ -477,8 +477,17 @@ class BroadcastReceiver(GroupMember):
         self._barrier("prepare")
         hello = self._broadcast_object("prepare: the sender's hello")
         self.algo = hello["algo"]
-        self._prepared = fingerprint(self.metadata)
-        self._gather("prepare: the engines' metadata", self.metadata)
+        declared = self._declared_now()
+        self._prepared = fingerprint(declared) if declared is not None else None
+        self._gather("prepare: the engines' metadata", declared if declared is not None else {})
+
+    def _declared_now(self) -> dict[str, Meta] | None:
+        """This engine's metadata now, in its exact form (``self.metadata`` may have been reassigned in any
+        spelling), or None when it does not parse (reported, never raised mid-collective)."""
+        try:
+            return declared_metadata(self.metadata)
+        except Exception:  # noqa: BLE001
+            return None
 
     def receive(self) -> Received:
         """Take one stream in, load it bucket by bucket, report back; raises RefitProtocolError on any error here."""
@@ -489,9 +498,10 @@ class BroadcastReceiver(GroupMember):
         swap = Swapper(faults.at("receiver_before_load", kind="swap_params"))
         acc = DigestAccumulator(algo=self.algo, backend=self.backend) if self.verifying else None
         errors: list[str] = []
-        stale = fingerprint(self.metadata) != self._prepared
+        declared = self._declared_now() or {}
+        stale = self._prepared is None or fingerprint(declared) != self._prepared
         if stale:  # the sender would check this engine against what it declared at prepare: load nothing
-            errors.append("this engine's metadata changed since prepare(): nothing loaded; call prepare() again")
+            errors.append("this engine's metadata changed since prepare() (or does not parse): nothing loaded; call prepare() again")
         buckets = params = nbytes = 0
         while True:
             header = self._broadcast_object("waiting for a bucket header")
@@ -508,7 +518,7 @@ class BroadcastReceiver(GroupMember):
             if index in dropped or stale:
                 continue  # lost on the way to this rank, or not to be loaded against stale metadata
             try:
-                batch = self._slice(index, names, used, buf, faults, swap, acc)
+                batch = self._slice(index, names, used, buf, faults, swap, acc, declared)
                 if batch:
                     self.load_weights(batch)
             except Exception as e:  # noqa: BLE001 -- kept for the end: raising now would strand the others
@@ -524,6 +534,9 @@ class BroadcastReceiver(GroupMember):
                 params += len(rest)
         except Exception as e:  # noqa: BLE001 -- as above: reported at the end, not raised mid-collective
             errors.append(f"swapped parameters not loaded: {e}")
+        now = self._declared_now()
+        if not stale and (now is None or fingerprint(now) != self._prepared):  # changed while the stream was loaded
+            errors.append("this engine's metadata changed during the refit: what it loaded was sliced by the old metadata")
         report: dict[str, Any] = {"errors": errors}
         digests = acc.hex() if acc is not None else None
         if digests is not None:
@@ -542,10 +555,12 @@ class BroadcastReceiver(GroupMember):
         faults: FaultPlan,
         swap: Swapper,
         acc: DigestAccumulator | None,
+        declared: dict[str, Meta],
     ) -> list[tuple[str, torch.Tensor]]:
-        """The bucket's views by this engine's metadata, after its faults; raises if the layout does not add up."""
+        """The bucket's views by this engine's metadata (as of the stream's start), after its faults; raises if the
+        layout does not add up."""
         try:
-            layout, end = walk(names, self.metadata)
+            layout, end = walk(names, declared)
         except KeyError as e:
             raise RefitProtocolError(f"{e.args[0]!r} is not in this engine's metadata") from None
         if end != used:

@@ -133,8 +133,9 @@ class IPCSender(Transport):
         self.wire_log = wire_log
         self._tmpdir = tempfile.mkdtemp(prefix="wcviz_refit_") if address is None else None
         self.address = address or f"ipc://{self._tmpdir}/refit.sock"
-        self.metadata: dict[str, Meta] | None = None  # the receiver's, as its last prepare said
-        self._fingerprint: str | None = None  # fingerprint(self.metadata)
+        self.metadata: dict[str, Meta] | None = None  # the receiver's, as its last prepare said (a copy, to read)
+        self._declared: dict[str, Meta] | None = None  # the same, kept here: what sends are checked against
+        self._fingerprint: str | None = None  # fingerprint(self._declared)
         self._sock: ControlSocket | None = None
         self._closed = False
         try:
@@ -185,7 +186,7 @@ class IPCSender(Transport):
         holds (its fingerprint goes along with the request).
         """
         sock = self._open_socket()
-        known = self._fingerprint if self.metadata is not None else None
+        known = self._fingerprint if self._declared is not None else None
         try:
             sock.send({"op": "prepare"} if known is None else {"op": "prepare", "known": known}, "the prepare request")
             reply = sock.recv("the reply to prepare")
@@ -195,13 +196,14 @@ class IPCSender(Transport):
         if reply.get("op") == "info" and reply.get("unchanged") is True and known is not None:
             pass  # the receiver computed the same fingerprint from what it declares now
         elif reply.get("op") == "info" and isinstance(reply.get("metadata"), dict):
-            self.metadata = checked_metadata(reply["metadata"], self.address)
-            self._fingerprint = fingerprint(self.metadata)
+            self._declared = checked_metadata(reply["metadata"], self.address)
+            self._fingerprint = fingerprint(self._declared)
         else:
-            self.metadata = self._fingerprint = None
+            self.metadata = self._declared = self._fingerprint = None
             raise RefitProtocolError(f"the receiver at {self.address} answered prepare with {reply!r:.200}")
-        assert self.metadata is not None
-        return self.metadata
+        assert self._declared is not None
+        self.metadata = dict(self._declared)
+        return dict(self._declared)  # copies: an edit of what was returned cannot change what sends are checked against
 
     def send(
         self,
@@ -224,7 +226,7 @@ class IPCSender(Transport):
         """
         tensors = tensor_pairs(named_tensors)
         try:
-            metadata = self.prepare()  # what the receiver declares now, never what an earlier one declared
+            metadata = self.prepare()  # what the receiver declares now, never what an earlier one declared (a copy)
             self._check_framing(tensors, metadata)
             want = expected_names(metadata, (n for n, _ in tensors), partial=partial, expected=expected)
             acc = DigestAccumulator() if self.verifying else None
@@ -389,6 +391,7 @@ class _Stream:
 
     acc: DigestAccumulator | None
     metadata: dict[str, Meta]  # what the receiver declared in this stream's prepare: every batch is sliced with it
+    fingerprint: str  # fingerprint(metadata): COMPLETE checks the receiver still declares it
     held: dict[str, torch.Tensor] = field(default_factory=dict)  # swap_params: the first of a pair, until its partner
 
 
@@ -470,9 +473,14 @@ class IPCReceiver(Transport):
                 op = msg.get("op")
                 if op == "prepare":  # also where a sender starts over after a failed stream
                     self._release()
-                    declared = dict(self.metadata)
-                    stream = _Stream(DigestAccumulator() if self.verifying else None, declared)
-                    if msg.get("known") == fingerprint(declared):
+                    stream = None
+                    try:
+                        declared = self._declared_now()
+                    except RefitProtocolError as e:
+                        sock.send({"op": "ack", "ok": False, "error": str(e)}, "an error reply")
+                        raise
+                    stream = _Stream(DigestAccumulator() if self.verifying else None, declared, fingerprint(declared))
+                    if msg.get("known") == stream.fingerprint:
                         sock.send({"op": "info", "unchanged": True}, "the reply to prepare")
                     else:
                         sock.send({"op": "info", "metadata": declared}, "the reply to prepare")
@@ -484,7 +492,8 @@ class IPCReceiver(Transport):
                                 "with prepare, so the sender checks against what this receiver declares now"
                             )
                         reply = self._batch(msg, stream) if op == "batch" else self._complete(stream)
-                    except Exception as e:  # the sender learns at once; then it is raised here
+                    except BaseException as e:  # the sender learns at once (a REP socket owes a reply, even to a
+                        # Ctrl-C inside load_weights: unanswered, it could never serve again); then it is raised here
                         sock.send({"op": "ack", "ok": False, "error": str(e) or repr(e)}, "an error reply")
                         raise
                     sock.send(reply, "the ack" if op == "batch" else "the final ack")
@@ -564,8 +573,28 @@ class IPCReceiver(Transport):
                 out += [(partner, as_like(altered, theirs)), (name, as_like(theirs, altered))]
         return out
 
+    def _declared_now(self) -> dict[str, Meta]:
+        """What this receiver declares now, in its exact form (``self.metadata`` may have been reassigned, in any
+        spelling); a RefitProtocolError naming it when it is not metadata."""
+        try:
+            return declared_metadata(self.metadata)
+        except Exception as e:  # noqa: BLE001 -- a reassigned metadata that does not parse: the sender hears why
+            raise RefitProtocolError(f"the receiver at {self.address} declares metadata that does not parse: {e}") from None
+
     def _complete(self, stream: _Stream) -> dict[str, Any]:
-        """Load anything still held back; the final ack, with the digests when verifying (one host sync per device)."""
+        """Load anything still held back; the final ack, with the digests when verifying (one host sync per device).
+
+        Refused if this receiver's metadata changed during the stream: its batches were sliced, and the
+        sender checks, against what it declared at the stream's prepare, not what it declares now."""
+        try:
+            now = fingerprint(self._declared_now())
+        except RefitProtocolError:
+            now = None
+        if now != stream.fingerprint:
+            raise RefitProtocolError(
+                f"the receiver at {self.address} changed its metadata during the refit (after its prepare): what it "
+                "loaded was sliced by the old metadata and cannot be checked against the new; refit again"
+            )
         if stream.held:
             held = list(stream.held.items())
             if stream.acc is not None:
