@@ -32,6 +32,7 @@ from wcviz.refit import (
     RefitProtocolError,
     RefitResult,
     RefitTimeout,
+    _ipc_receiver,
     _packing,
     ipc,
 )
@@ -155,7 +156,7 @@ def serve(cmd: dict[str, Any], calls: list[int]) -> dict[str, Any]:
             model[name].copy_(t)
 
     beside: list[tuple[bool, bool]] = []  # per digested batch: (on the serving thread, its load had begun)
-    original_add_all = ipc._add_all
+    original_add_all = _ipc_receiver._add_all
 
     def probed(acc: Any, views: list[tuple[str, torch.Tensor]]) -> None:
         if not views:  # nothing to load: load_weights is not called for this batch
@@ -172,7 +173,7 @@ def serve(cmd: dict[str, Any], calls: list[int]) -> dict[str, Any]:
             raise DigestError(f"tensor {views[0][0]!r} cannot be read")
         return original_add_all(acc, views)
 
-    ipc._add_all = probed
+    _ipc_receiver._add_all = probed
     wire: list[tuple[str, dict[str, Any]]] = []
     before = calls[0]
     digests: list[Any] = []
@@ -194,7 +195,7 @@ def serve(cmd: dict[str, Any], calls: list[int]) -> dict[str, Any]:
         except BaseException as e:  # noqa: BLE001 - KeyboardInterrupt too: report it
             error = f"{type(e).__name__}: {e}"
         finally:
-            ipc._add_all = original_add_all
+            _ipc_receiver._add_all = original_add_all
         # the receiver is still open: serve() itself must have let go of every buffer
         mapped = [line for line in Path("/proc/self/maps").read_text().splitlines() if "wcviz_" in line]
     return {
@@ -816,7 +817,9 @@ def test_sender_interrupted_mid_stream_leaves_nothing(worker: Worker, monkeypatc
 
 def test_receiver_interrupted_mid_stream_lets_go_of_its_buffers(worker: Worker) -> None:
     run = refit(worker, timeout_s=FAST, on_load={2: "interrupt"})
-    assert isinstance(run.error, RefitTimeout)
+    # the sender hears at once (the REP socket answers even a Ctrl-C), not after its timeout
+    assert isinstance(run.error, RefitProtocolError) and not isinstance(run.error, RefitTimeout)
+    assert "refused batch 2" in str(run.error) and "KeyboardInterrupt" in str(run.error)
     assert run.report["error"].startswith("KeyboardInterrupt")
     assert_clean(run)  # including: the receiver, still open, maps no staging buffer
 
