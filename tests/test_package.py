@@ -200,3 +200,30 @@ def test_no_private_name_is_imported_across_packages_and_no_import_circle() -> N
 
     cycles = [c for m in mods if (c := cycle_from(m)) is not None and c[0] == m]
     assert cycles == [], cycles[:3]
+
+
+@pytest.mark.parametrize(("tp", "pp"), [(1, 1), (1, 2), (1, 3), (2, 1), (2, 2), (4, 1)])
+def test_every_demo_fault_is_aimed_at_ranks_the_layout_has(tp: int, pp: int) -> None:
+    """`wcviz demo --fault stale --tp 1 --pp 2` announced a fault on rank 3 of a 2-rank engine, injected nothing,
+    and exited 1 as if the check had missed it."""
+    from wcviz.demo import FAULTS, fault_plan
+    from wcviz.sim.engine import EngineLayout
+
+    layout = EngineLayout(tp=tp, pp=pp)
+    for fault in FAULTS:
+        if fault in ("swap", "fused") and tp < 2:
+            with pytest.raises(ValueError, match=f"--fault {fault} needs --tp 2 or more"):
+                fault_plan(fault, layout)
+            continue
+        what, plan = fault_plan(fault, layout)
+        assert all(0 <= r < layout.world_size for r in plan), (fault, plan)
+        assert (fault == "none") == (not plan)
+        assert all(f"rank {r}" in what for r in plan) or fault in ("fused", "swap")
+
+
+def test_demo_refuses_a_fault_its_layout_cannot_show_before_starting_anything(capsys: pytest.CaptureFixture[str]) -> None:
+    from wcviz.demo import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--fault", "swap", "--tp", "1", "--pp", "2"])
+    assert e.value.code == 2 and "--fault swap needs --tp 2 or more" in capsys.readouterr().err

@@ -21,18 +21,39 @@ from typing import Any
 
 from wcviz.sim.engine import EngineLayout, LoaderFaults
 
-__all__ = ["FAULTS", "main", "run"]
+__all__ = ["FAULTS", "fault_plan", "main", "run"]
 
-# --fault choices: what each one injects, per engine rank, into the update under test.
-FAULTS: dict[str, tuple[str, dict[int, LoaderFaults]]] = {
-    "skip": ("mlp.down_proj is skipped on engine rank 1 (a dropped bucket)", {1: LoaderFaults(skip=r"mlp\.down_proj")}),
-    "stale": ("engine rank 3 ignores the update (woke from sleep with stale weights)", {3: LoaderFaults(stale=True)}),
-    "fused": ("fused qkv/gate_up take TP rank 0's slice on every rank", {r: LoaderFaults(fused_from_rank0=True) for r in range(4)}),
-    "swap": ("engine ranks 0 and 1 load each other's TP shard", {0: LoaderFaults(tp_as=1), 1: LoaderFaults(tp_as=0)}),
-    "cast": ("every weight passes through float16 on engine rank 0 (tiny values lose bits)", {0: LoaderFaults(cast=r".")}),
-    "flip": ("one bit flips in lm_head on engine rank 3", {3: LoaderFaults(flip_bit=r"lm_head")}),
-    "none": ("no fault: a healthy update", {}),
+# --fault choices: what each one injects into the update under test, aimed at engine ranks the layout has
+# (the last rank holds the last pipeline stage, so lm_head); swap and fused need two TP ranks to differ.
+FAULTS: dict[str, str] = {
+    "skip": "mlp.down_proj is skipped on engine rank {one} (a dropped bucket)",
+    "stale": "engine rank {last} ignores the update (woke from sleep with stale weights)",
+    "fused": "fused qkv/gate_up take TP rank 0's slice on every rank",
+    "swap": "engine ranks 0 and 1 load each other's TP shard",
+    "cast": "every weight passes through float16 on engine rank 0 (tiny values lose bits)",
+    "flip": "one bit flips in lm_head on engine rank {last}",
+    "none": "no fault: a healthy update",
 }
+
+
+def fault_plan(fault: str, layout: EngineLayout) -> tuple[str, dict[int, LoaderFaults]]:
+    """What ``fault`` injects on ``layout``: its description and ``{engine rank: LoaderFaults}``, every rank one
+    the layout has; a ValueError naming the fault when the layout cannot show it (one TP rank cannot swap)."""
+    if fault not in FAULTS:
+        raise ValueError(f"unknown fault {fault!r}; choose one of {', '.join(FAULTS)}")
+    if fault in ("swap", "fused") and layout.tp < 2:
+        raise ValueError(f"--fault {fault} needs --tp 2 or more: with one TP rank there is no other shard to take")
+    last, one = layout.world_size - 1, min(1, layout.world_size - 1)
+    plans: dict[str, dict[int, LoaderFaults]] = {
+        "skip": {one: LoaderFaults(skip=r"mlp\.down_proj")},
+        "stale": {last: LoaderFaults(stale=True)},
+        "fused": {r: LoaderFaults(fused_from_rank0=True) for r in range(layout.world_size)},
+        "swap": {0: LoaderFaults(tp_as=1), 1: LoaderFaults(tp_as=0)},
+        "cast": {0: LoaderFaults(cast=r".")},
+        "flip": {last: LoaderFaults(flip_bit=r"lm_head")},
+        "none": {},
+    }
+    return FAULTS[fault].format(one=one, last=last), plans[fault]
 
 
 def _say(msg: str) -> None:
@@ -53,11 +74,8 @@ def run(fault: str = "skip", out: str | Path = "demo-out", *, tp: int = 2, pp: i
     from wcviz.sim import Cluster
     from wcviz.views import layer_rank_text, plot_layer_rank
 
-    if fault not in FAULTS:
-        raise ValueError(f"unknown fault {fault!r}; choose one of {', '.join(FAULTS)}")
-    what, faults = FAULTS[fault]
     layout = EngineLayout(tp=tp, pp=pp)
-    faults = {r: f for r, f in faults.items() if r < layout.world_size}
+    what, faults = fault_plan(fault, layout)  # before anything starts: a fault the layout cannot show is refused
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
@@ -103,6 +121,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--pp", type=int, default=2, help="engine pipeline-parallel size (default 2)")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = ap.parse_args(argv)
+    try:
+        fault_plan(args.fault, EngineLayout(tp=args.tp, pp=args.pp))
+    except ValueError as e:  # bad flags: one line and exit 2, before any process starts
+        ap.error(str(e))
     return run(args.fault, args.out, tp=args.tp, pp=args.pp, progress=not args.no_progress)
 
 
