@@ -446,3 +446,53 @@ def test_one_element_strided_views_are_served_like_their_copies() -> None:
     got = {row["name"]: row["digest"] for row in r.json()["rows"]}
     copies = from_named_tensors({n: t.clone() for n, t in held.items()}, progress=False)
     assert got == dict(zip(copies["name"], copies["digest"]))
+
+
+def _read_response(s: socket.socket, pause_s: float = 0.0, chunk: int = 1 << 20) -> bytes:
+    """One HTTP/1.1 response's body from a raw socket (Content-Length framed), read ``chunk`` bytes at a time."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        got = s.recv(chunk)
+        assert got, "the connection closed before the headers"
+        data += got
+    head, body = data.split(b"\r\n\r\n", 1)
+    length = int(re.search(rb"(?i)content-length: *(\d+)", head).group(1))  # type: ignore[union-attr]
+    while len(body) < length:
+        time.sleep(pause_s)
+        got = s.recv(chunk)
+        assert got, f"the connection closed after {len(body)} of {length} bytes"
+        body += got
+    return body
+
+
+def test_clients_that_stop_reading_lose_their_slots_and_a_slow_reader_is_still_served(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A client that asks for a large /v1/digests and never reads it kept its slot forever (a close waits for the
+    reply to drain): with the cap reached, real clients were refused and stop() had to force its way out."""
+    import wcviz._serving
+
+    monkeypatch.setattr(wcviz._serving, "_STALL_S", 1.0)  # (10 s in service)
+    params = {f"model.layers.{i}.w": torch.full((4,), float(i)) for i in range(20000)}  # a 5.6 MB reply
+    agent = Agent(lambda: params, role="engine", rank=0, max_connections=4, header_timeout_s=0.5)
+    url = agent.start()
+    host, port = url.split("//")[1].rsplit(":", 1)
+    stuck: list[socket.socket] = []
+    try:
+        full = httpx.get(url + "/v1/digests", timeout=60).content
+        assert len(full) > 5_000_000  # larger than the kernel's socket buffers: the reply cannot all leave unread
+        for _ in range(4):
+            s = socket.socket()
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            s.connect((host, int(port)))
+            s.sendall(b"GET /v1/digests HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+            stuck.append(s)
+        time.sleep(6)  # the replies are written (1.2 s each); the idle, header and stall deadlines pass
+        assert httpx.get(url + "/v1/info", timeout=5).status_code == 200
+        with socket.create_connection((host, int(port))) as slow:
+            slow.sendall(b"GET /v1/digests HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+            got = _read_response(slow, pause_s=0.05, chunk=128 << 10)  # slow, but reading: never cut off
+        digests = lambda body: [(r["name"], r["digest"]) for r in __import__("json").loads(body)["rows"]]  # noqa: E731
+        assert digests(got) == digests(full) and len(digests(got)) == 20000
+    finally:
+        for s in stuck:
+            s.close()
+        agent.stop()

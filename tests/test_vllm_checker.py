@@ -222,3 +222,42 @@ def test_cli_verify_exit_codes(checkpoint: Path, tmp_path: Path, capsys: pytest.
         assert "num_attention_heads" in capsys.readouterr().err
         assert main(["verify", url, "--checkpoint", str(checkpoint), "--tp", "3", "--vocab-padding", "1"]) == 2
     assert json.loads((checkpoint / "config.json").read_text())["num_attention_heads"] == TINY.heads
+
+
+def test_verify_an_engine_that_fails_as_a_whole_is_unreachable_by_rank_and_exits_1(checkpoint: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """An HTTP 500 for the whole engine left no rows: the comparison refused the empty table ("locates ranks by
+    nothing") and the CLI said bad input (2), hiding the engine's own error."""
+
+    async def oops(request: object) -> object:
+        from starlette.responses import PlainTextResponse
+
+        return PlainTextResponse("oops", status_code=500)
+
+    from starlette.applications import Starlette
+    from starlette.routing import Route
+
+    app = Starlette(routes=[Route(p, oops, methods=["GET", "POST"]) for p in ("/get_world_size", "/weight_checker")])
+    from test_vllm import serve  # a loopback uvicorn for any app
+
+    with serve(app) as url:
+        report = verify_engine(url, checkpoint, tp=2, engine="vllm", vocab_padding=1)
+        assert main(["verify", url, "--checkpoint", str(checkpoint), "--tp", "2", "--engine", "vllm", "--vocab-padding", "1"]) == 1
+    assert not report.ok and set(report.verdicts["status"]) == {"unreachable"}
+    assert sorted(report.verdicts["tp"].unique()) == [0, 1]
+    assert "HTTP 500: oops" in capsys.readouterr().out
+
+
+def test_verify_a_failing_dp_replica_is_unreachable_not_missing(checkpoint: Path) -> None:
+    sim = SimSglang(TINY, tp=2, dp=2, failing=[1])
+    with sim as url:
+        report = verify_engine(url, checkpoint, tp=2, dp=2, vocab_padding=1)
+    v = report.verdicts
+    assert set(v.loc[v["dp"] == 1, "status"]) == {"unreachable"} and set(v.loc[v["dp"] == 0, "status"]) == {"match"}
+
+
+def test_verify_refuses_a_served_dtype_that_is_not_one(checkpoint: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with SimVllm(TINY, tp=2) as url:
+        for dtype in ("junk", "Tensor"):
+            assert main(["verify", url, "--checkpoint", str(checkpoint), "--tp", "2", "--dtype", dtype]) == 2
+            err = capsys.readouterr().err
+            assert err.count("\n") == 1 and f"the served dtype {dtype!r}" in err

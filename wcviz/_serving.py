@@ -16,7 +16,10 @@ engine!) until its own file writes fail. This protocol:
   when it opens or its last response ended; then closes it;
 - keeps at most ``max_connections`` open: a new connection beyond the cap closes the
   one that has waited longest without sending a request (a connection serving a
-  request is never dropped), or, if every one is busy, is itself closed at once.
+  request is never dropped), or, if every one is busy, is itself closed at once;
+- aborts a connection whose client stops reading: a response it has not taken
+  (bytes left in the write buffer, none taken for ``_STALL_S``, 10 s) would
+  otherwise hold its slot forever, since a plain close waits for them to drain.
 
 So a client that sends a request promptly is served even while others hold the rest.
 """
@@ -29,6 +32,8 @@ import time
 from typing import Any
 
 __all__ = ["guarded_protocol", "serve_in_thread", "stop_server"]
+
+_STALL_S = 10.0  # a client that takes none of a response for this long has stopped reading: its slot is freed
 
 
 def serve_in_thread(
@@ -87,10 +92,15 @@ def guarded_protocol(max_connections: int, header_timeout_s: float) -> type[Any]
     """An h11 protocol class for ``uvicorn.Config(http=...)`` with the limits in the module docstring."""
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
+    stall_s = _STALL_S
+
     class GuardedH11Protocol(H11Protocol):  # type: ignore[misc]
         _wc_refused = False
         _wc_since = 0.0
         _wc_timer: Any = None
+        _wc_watch: Any = None
+        _wc_unread = -1  # bytes left in the write buffer at the last look (-1: no look yet)
+        _wc_drained = False  # the buffer drained below its low-water mark since the last look: the client reads
 
         def connection_made(self, transport: Any) -> None:  # type: ignore[override]
             if len(self.connections) >= max_connections and not self._wc_make_room():
@@ -100,13 +110,41 @@ def guarded_protocol(max_connections: int, header_timeout_s: float) -> type[Any]
                 return
             super().connection_made(transport)
             self._wc_arm()
+            self._wc_watch = self.loop.call_later(stall_s, self._wc_check_reading)
 
         def _wc_make_room(self) -> bool:
-            waiting = [c for c in self.connections if isinstance(c, GuardedH11Protocol) and c._wc_waiting()]
+            mine = [c for c in self.connections if isinstance(c, GuardedH11Protocol)]
+            stuck = [c for c in mine if c._wc_stuck()]
+            if stuck:  # closing, but its client never took the last response: it holds a slot until aborted
+                stuck[0].transport.abort()
+                return True
+            waiting = [c for c in mine if c._wc_waiting()]
             if not waiting:
                 return False
             min(waiting, key=lambda c: c._wc_since).transport.close()
             return True
+
+        def _wc_unsent(self) -> int:
+            try:
+                return int(self.transport.get_write_buffer_size()) if self.transport is not None else 0
+            except Exception:  # noqa: BLE001 - a transport that cannot say: assume it drains
+                return 0
+
+        def _wc_stuck(self) -> bool:
+            """Closed by the server (a timeout) but its unsent response keeps it open: the client is not reading."""
+            return self.transport is not None and self.transport.is_closing() and self._wc_unsent() > 0
+
+        def _wc_check_reading(self) -> None:
+            """Every ``stall_s``: abort if bytes wait to be sent and the client took none since the last look."""
+            self._wc_watch = None
+            if self.transport is None:
+                return
+            unsent = self._wc_unsent()
+            if unsent and 0 <= self._wc_unread <= unsent and not self._wc_drained:
+                self.transport.abort()  # a slow reader takes some; one that takes nothing holds the slot for good
+                return
+            self._wc_unread, self._wc_drained = unsent, False
+            self._wc_watch = self.loop.call_later(stall_s, self._wc_check_reading)
 
         def _wc_waiting(self) -> bool:
             """Open, and not in the middle of a request: headers not yet complete, or idle after a response."""
@@ -125,15 +163,20 @@ def guarded_protocol(max_connections: int, header_timeout_s: float) -> type[Any]
             if self._wc_waiting() and self.loop.time() - self._wc_since >= header_timeout_s * 0.99:
                 self.transport.close()
 
+        def resume_writing(self) -> None:
+            self._wc_drained = True
+            super().resume_writing()
+
         def on_response_complete(self) -> None:
             super().on_response_complete()
             if self._wc_waiting():
                 self._wc_arm()
 
         def connection_lost(self, exc: Exception | None) -> None:
-            if self._wc_timer is not None:
-                self._wc_timer.cancel()
-                self._wc_timer = None
+            for timer in (self._wc_timer, self._wc_watch):
+                if timer is not None:
+                    timer.cancel()
+            self._wc_timer = self._wc_watch = None
             if self._wc_refused:
                 return
             super().connection_lost(exc)

@@ -36,7 +36,8 @@ Security model, for an agent that lives inside an engine or trainer process:
   request headers within ``header_timeout_s`` (and an idle keep-alive one is closed
   after a few seconds). When the cap is reached, the connection that has waited longest
   without sending a request is dropped for the new one, so clients that never finish
-  their headers cannot hold the host's file descriptors or lock real clients out.
+  their headers cannot hold the host's file descriptors or lock real clients out; and a
+  client that stops reading its response (none of it taken for 10 s) loses its connection.
 """
 
 from __future__ import annotations

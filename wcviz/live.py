@@ -157,11 +157,14 @@ def verify_engine(
     if tie_embeddings is None and isinstance(config.get("tie_word_embeddings"), bool):
         tie_embeddings = config["tie_word_embeddings"]
     served = _engine_dtype(config, dtype)
+    dtypes = {n: v for n, v in vars(torch).items() if isinstance(v, torch.dtype)}  # no getattr: no torch warnings
+    if served and served not in dtypes:
+        raise WcvizError(f"the served dtype {served!r} (--dtype, or config.json's torch_dtype) is not a torch dtype")
     which = _which_engine(url, net) if engine == "auto" else engine
     algo = _ALGO[which]
     expected = expected_frame(
         checkpoint, family, tp=tp, pp=pp, dp=dp, ep=ep, heads=heads, kv_heads=kv_heads, vocab_padding=vocab_padding,
-        tie_embeddings=tie_embeddings, dtype=getattr(torch, served) if served else None, algo=algo, **layout,
+        tie_embeddings=tie_embeddings, dtype=dtypes[served] if served else None, algo=algo, **layout,
     )  # fmt: skip
     if which == "vllm":
         fetched = from_vllm_weight_checker(url, **net)
@@ -171,7 +174,7 @@ def verify_engine(
         drafts = tuple({f"{r}." for info in fetched.infos.values() for r in info.get("roles", []) if r != "target"})
         actual = fetched.frame[~fetched.frame["name"].str.startswith(drafts)] if drafts else fetched.frame
     verdicts = compare(_by_place(expected), _by_place(actual))
-    verdicts = worst_first(_ranked(_unreachable(verdicts, fetched.failed), expected))
+    verdicts = worst_first(_ranked(_unreachable(verdicts, fetched.failed, actual), expected))
     assumed = {"family": family, "tp": tp, "pp": pp, "dp": dp, "ep": ep, "heads": heads, "kv_heads": kv_heads,
                "dtype": served or "as in the checkpoint", "vocab_padding": vocab_padding, "algo": algo}  # fmt: skip
     return LiveReport(which, str(url).rstrip("/"), verdicts, fetched, expected, assumed)
@@ -193,11 +196,19 @@ def _ranked(verdicts: pd.DataFrame, expected: pd.DataFrame) -> pd.DataFrame:
     return out[list(verdicts.columns)]
 
 
-def _unreachable(verdicts: pd.DataFrame, failed: pd.DataFrame) -> pd.DataFrame:
-    """Expected rows of a rank that did not answer are ``unreachable``, not ``missing``."""
+def _unreachable(verdicts: pd.DataFrame, failed: pd.DataFrame, actual: pd.DataFrame) -> pd.DataFrame:
+    """Expected rows of a rank that did not answer are ``unreachable``, not ``missing``. A failure of the whole
+    engine (no coordinates: an HTTP 500, a failing DP scheduler) silences every rank that gave no rows."""
     if not len(failed):
         return verdicts
-    silent = failed[failed["kind"] != "empty"][["dp", "pp", "tp"]].dropna().drop_duplicates()
+    silent_rows = failed[failed["kind"] != "empty"]
+    where = ["dp", "pp", "tp"]
+    silent = silent_rows[where].dropna().drop_duplicates()
+    if bool(silent_rows[where].isna().all(axis=1).any()):
+        answered = actual[where].drop_duplicates() if len(actual) else pd.DataFrame(columns=where)
+        ranks = verdicts[where].dropna().drop_duplicates()
+        gave_nothing = ranks.merge(answered.astype(ranks.dtypes.to_dict()), on=where, how="left", indicator=True)
+        silent = pd.concat([silent, gave_nothing[gave_nothing["_merge"] == "left_only"][where]]).drop_duplicates()
     if not len(silent):
         return verdicts
     hit = verdicts[["dp", "pp", "tp"]].merge(silent.assign(_silent=True), on=["dp", "pp", "tp"], how="left")["_silent"]
