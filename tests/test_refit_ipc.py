@@ -994,8 +994,14 @@ def test_a_peer_that_answers_with_a_pickle_runs_nothing_here(tmp_path: Path) -> 
     ],
 )
 def test_a_receiver_refuses_a_malformed_batch_naming_it(tmp_path: Path, message: dict[str, Any], why: str) -> None:
+    replies = _serve_raw(tmp_path, [{"op": "prepare"}, message], why)  # a stream begins with prepare: then the malformed batch
+    assert replies[0]["op"] == "info" and replies[1]["ok"] is False and why in replies[1]["error"]
+
+
+def _serve_raw(tmp_path: Path, messages: list[dict[str, Any]], match: str, verify: str = "off") -> list[dict[str, Any]]:
+    """An IPCReceiver answering a bare REQ socket that sends ``messages`` (JSON) one by one: its replies, once
+    ``serve()`` raised the RefitProtocolError ``match`` names."""
     import json
-    import threading
 
     import zmq
 
@@ -1007,23 +1013,24 @@ def test_a_receiver_refuses_a_malformed_batch_naming_it(tmp_path: Path, message:
     req.bind(address)
     replies: list[Any] = []
 
-    def evil_sender() -> None:
-        for msg in ({"op": "prepare"}, message):  # a stream begins with prepare: then the malformed batch
+    def peer_main() -> None:
+        for msg in messages:
             req.send(json.dumps(msg).encode())
-            if req.poll(5000):
-                replies.append(json.loads(req.recv()))
+            if not req.poll(5000):
+                return
+            replies.append(json.loads(req.recv()))
 
-    peer = threading.Thread(target=evil_sender)
+    peer = threading.Thread(target=peer_main)
     peer.start()
     try:
-        with IPCReceiver(address, {"x": ((128,), "float32")}, lambda batch: None, timeout_s=5) as receiver:
-            with pytest.raises(RefitProtocolError, match=why):
-                receiver.serve()
+        with IPCReceiver(address, {"x": ((128,), "float32")}, lambda batch: None, verify=verify, timeout_s=5) as rx:
+            with pytest.raises(RefitProtocolError, match=match):
+                rx.serve()
     finally:
         peer.join(10)
         req.close(0)
         ctx.term()
-    assert replies[0]["op"] == "info" and replies[1]["ok"] is False and why in replies[1]["error"]
+    return replies
 
 
 def test_a_cuda_handle_travels_as_plain_json_and_rebuilds_the_same_args() -> None:
@@ -1096,35 +1103,8 @@ def test_a_new_receiver_declaring_more_is_checked_against_what_it_declares_now()
 @pytest.mark.parametrize("op", ["batch", "complete"])
 def test_a_receiver_refuses_a_stream_that_does_not_begin_with_prepare(tmp_path: Path, op: str) -> None:
     """Without a prepare in the stream, the sender would be checking against metadata it learnt earlier."""
-    import json
-    import threading
-
-    import zmq
-
-    private = tmp_path / "p"
-    private.mkdir(mode=0o700)
-    address = f"ipc://{private}/refit.sock"
-    ctx = zmq.Context()
-    req = ctx.socket(zmq.REQ)
-    req.bind(address)
-    replies: list[Any] = []
     message = {"op": op} if op == "complete" else {"op": "batch", "names": [], "used": 0, "buffer": None}
-
-    def stale_sender() -> None:
-        req.send(json.dumps(message).encode())
-        if req.poll(5000):
-            replies.append(json.loads(req.recv()))
-
-    peer = threading.Thread(target=stale_sender)
-    peer.start()
-    try:
-        with IPCReceiver(address, {"x": ((128,), "float32")}, lambda batch: None, verify="log", timeout_s=5) as rx:
-            with pytest.raises(RefitProtocolError, match=f"{op} before prepare"):
-                rx.serve()
-    finally:
-        peer.join(10)
-        req.close(0)
-        ctx.term()
+    replies = _serve_raw(tmp_path, [message], f"{op} before prepare", verify="log")
     assert replies and replies[0]["ok"] is False and "digests" not in replies[0]
 
 

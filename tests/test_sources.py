@@ -634,6 +634,16 @@ def _corrupt_second_shard(tmp_path):
     return d, ["model-00002-of-00002.safetensors", "truncated"]
 
 
+REFUSED_BY_SAFETENSORS = [
+    _tensor_named_twice,
+    _entry_field_twice,
+    _gap_between_tensors,
+    _gap_at_start,
+    _trailing_bytes,
+    _metadata_not_a_mapping,
+    _metadata_value_not_a_string,
+]
+
 BAD = [
     _truncated_mid_data,
     _shorter_than_8,
@@ -645,13 +655,7 @@ BAD = [
     _end_beyond_file,
     _overlap,
     _offsets_backwards,
-    _tensor_named_twice,
-    _entry_field_twice,
-    _gap_between_tensors,
-    _gap_at_start,
-    _trailing_bytes,
-    _metadata_not_a_mapping,
-    _metadata_value_not_a_string,
+    *REFUSED_BY_SAFETENSORS,
     _unknown_dtype,
     _entry_missing_fields,
     _bad_shape,
@@ -688,15 +692,6 @@ def test_bad_checkpoints_raise_naming_file_and_tensor(tmp_path, monkeypatch, mak
     assert "\n" not in msg
 
 
-REFUSED_BY_SAFETENSORS = [
-    _tensor_named_twice,
-    _entry_field_twice,
-    _gap_between_tensors,
-    _gap_at_start,
-    _trailing_bytes,
-    _metadata_not_a_mapping,
-    _metadata_value_not_a_string,
-]
 
 
 @pytest.mark.parametrize("make", REFUSED_BY_SAFETENSORS, ids=[f.__name__.strip("_") for f in REFUSED_BY_SAFETENSORS])

@@ -51,6 +51,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from wcviz import _json
 from wcviz._errors import TableError
 from wcviz._text import shape_str
 
@@ -497,28 +498,11 @@ def _refuse_repeated_csv_columns(path: Path) -> None:
         seen.add(name)
 
 
-class _Record(dict):  # type: ignore[type-arg]
-    """A JSON object as :func:`read_table` parses it: ``repeated`` holds the keys it was given more than once."""
-
-    repeated: tuple[str, ...] = ()
-
-
-def _record(found: list[str], pairs: list[tuple[str, Any]]) -> _Record:
-    rec = _Record(pairs)
-    if len(rec) != len(pairs):
-        counts: dict[str, int] = {}
-        for k, _ in pairs:
-            counts[k] = counts.get(k, 0) + 1
-        rec.repeated = tuple(k for k, n in counts.items() if n > 1)
-        found.append(rec.repeated[0])
-    return rec
-
-
 def _refuse_repeated_keys(path: Path, records: list[Any], first: str) -> None:
     """A JSON table whose record gives a column twice is refused, naming the column and record (json keeps the last)."""
     for i, rec in enumerate(records):
-        if getattr(rec, "repeated", ()):
-            raise TableError(f"{path}: record {i} gives column {rec.repeated[0]!r} more than once")
+        if _json.repeated(rec):
+            raise TableError(f"{path}: record {i} gives column {_json.repeated(rec)[0]!r} more than once")
     raise TableError(f"{path}: a JSON object in the table gives key {first!r} more than once")
 
 
@@ -538,15 +522,14 @@ def read_table(path: str | Path) -> pd.DataFrame:
         elif suffix == ".parquet":
             df = pd.read_parquet(path)
         elif suffix == ".json":
-            repeated: list[str] = []
             try:
-                records = json.loads(path.read_text(), object_pairs_hook=functools.partial(_record, repeated))
+                records = _json.loads(path.read_text())
             except RecursionError:
                 raise TableError(f"{path}: not a readable json table: it nests too deeply") from None
             if not isinstance(records, list):
                 raise TableError(f"{path}: not a table: expected a JSON list of records, got a JSON {type(records).__name__}")
-            if repeated:
-                _refuse_repeated_keys(path, records, repeated[0])
+            if (first := _json.first_repeated(records)) is not None:
+                _refuse_repeated_keys(path, records, first)
             df = empty_frame() if records == [] else pd.DataFrame.from_records(records)
         else:
             raise TableError(f"{path}: unknown table format {suffix or '(no suffix)'}; use one of {', '.join(TABLE_SUFFIXES)}")

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from wcviz import _json
 from wcviz._errors import CheckpointError
 from wcviz._text import shape_str
 from wcviz.digest import DEFAULT_ALGO, digest_buffers
@@ -90,7 +91,7 @@ def read_header(path: str | Path) -> list[TensorEntry]:
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read: {e.strerror or e}") from None
     try:
-        header = _loads(raw)
+        header = _json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{path}: header is not valid JSON ({e}): corrupt or not safetensors") from None
     except RecursionError:
@@ -107,50 +108,14 @@ def read_header(path: str | Path) -> list[TensorEntry]:
     return entries
 
 
-class _Object(dict):  # type: ignore[type-arg]
-    """A JSON object as parsed by :func:`_loads`: ``repeated`` holds the keys it was given more than once."""
-
-    repeated: tuple[str, ...] = ()
-
-
-def _object(pairs: list[tuple[str, Any]]) -> _Object:
-    obj = _Object(pairs)
-    if len(obj) != len(pairs):
-        counts: dict[str, int] = {}
-        for k, _ in pairs:
-            counts[k] = counts.get(k, 0) + 1
-        obj.repeated = tuple(k for k, n in counts.items() if n > 1)
-    return obj
-
-
-def _loads(raw: bytes | str) -> Any:
-    """``json.loads`` whose objects remember repeated keys (plain ``json`` silently keeps the last one)."""
-    return json.loads(raw, object_pairs_hook=_object)
-
-
-def _repeated_anywhere(value: Any) -> str | None:
-    """The first key repeated in any object nested in ``value`` (iteratively: a deep value is no RecursionError)."""
-    stack = [value]
-    while stack:
-        v = stack.pop()
-        if isinstance(v, dict):
-            repeated: tuple[str, ...] = getattr(v, "repeated", ())
-            if repeated:
-                return repeated[0]
-            stack.extend(v.values())
-        elif isinstance(v, list):
-            stack.extend(v)
-    return None
-
-
 def _refuse_repeated_keys(path: Path, header: dict[str, Any]) -> None:
     """A key given twice is refused, naming it: a second entry for a tensor would hide the first one's bytes."""
-    if getattr(header, "repeated", ()):
-        name = header.repeated[0]  # type: ignore[attr-defined]
+    if _json.repeated(header):
+        name = _json.repeated(header)[0]
         what = "__metadata__" if name == "__metadata__" else f"tensor {name!r}"
         raise CheckpointError(f"{path}: header lists {what} more than once; safetensors refuses such a file")
     for name, spec in header.items():
-        key = _repeated_anywhere(spec)
+        key = _json.first_repeated(spec)
         if key is not None:
             where = "__metadata__" if name == "__metadata__" else f"tensor {name!r}"
             raise CheckpointError(f"{path}: {where}: header entry gives key {key!r} more than once")
@@ -262,17 +227,17 @@ def checkpoint_files(path: str | Path) -> list[Path]:
 
 def _weight_map(index: Path) -> dict[str, str]:
     try:
-        data = _loads(index.read_text())
+        data = _json.loads(index.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{index}: not a readable index ({e})") from None
     except RecursionError:
         raise CheckpointError(f"{index}: not a readable index (its JSON nests too deeply)") from None
     wm = data.get("weight_map") if isinstance(data, dict) else None
-    twice: tuple[str, ...] = getattr(wm, "repeated", ()) if isinstance(wm, dict) else ()
+    twice = _json.repeated(wm)
     if twice:
         name = twice[0]
         raise CheckpointError(f"{index}: weight_map lists tensor {name!r} more than once; which shard holds it is ambiguous")
-    repeated = _repeated_anywhere(data)
+    repeated = _json.first_repeated(data)
     if repeated is not None:
         raise CheckpointError(f"{index}: gives key {repeated!r} more than once in one JSON object; which one counts is ambiguous")
     if not isinstance(wm, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in wm.items()):
