@@ -15,6 +15,7 @@ import json
 import math
 import os
 import stat
+import time
 from typing import Any
 
 import zmq
@@ -163,12 +164,19 @@ class ControlSocket:
             self._wire_log.append(("send", msg))
 
     def recv(self, what: str) -> dict[str, Any]:
-        if not self._sock.poll(self._timeout_ms, zmq.POLLIN):
-            raise RefitTimeout(
-                f"timed out after {self.timeout_s:g}s waiting for {what} from the {self._peer} at {self.address} "
-                f"(is it alive?)"
-            )
-        raw = self._sock.recv(zmq.NOBLOCK)
+        deadline = time.monotonic() + self._timeout_ms / 1000
+        while True:
+            left_ms = max(0, math.ceil((deadline - time.monotonic()) * 1000))
+            if not self._sock.poll(left_ms, zmq.POLLIN):
+                raise RefitTimeout(
+                    f"timed out after {self.timeout_s:g}s waiting for {what} from the {self._peer} at {self.address} "
+                    f"(is it alive?)"
+                )
+            try:
+                raw = self._sock.recv(zmq.NOBLOCK)
+                break
+            except zmq.Again:  # readable, then nothing: a late reply to a request given up on, which the REQ
+                continue  # socket drops (ZMQ_REQ_CORRELATE); wait on for this request's own reply
         self.awaiting = False
         msg = _decode(raw, self._peer, self.address)
         if self._wire_log is not None:
