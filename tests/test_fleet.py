@@ -105,3 +105,95 @@ def test_a_report_that_cannot_be_made_still_names_the_poisoned_ranks_first() -> 
     with pytest.raises(EngineLeftPoisoned, match=r"^RELOAD FAILED on every rank: still poisoned.*Also, no verdicts could be made: .*mixes digest algorithms") as e:
         run(EndStateSession(fleet))
     assert e.value.poisoned == ("every rank",)
+
+
+def _callable_fleet(params: dict[str, torch.Tensor], digests: Any, actions: list[str]) -> CallableFleet:
+    return CallableFleet(
+        lambda: actions.append("snapshot"),
+        lambda: actions.append("reset") or poison_(params),
+        lambda: actions.append("reload"),
+        digests,
+    )
+
+
+def test_a_reset_after_the_reload_leaves_no_reload_to_report_on() -> None:
+    """snapshot, reset, reload, reset: the report used the reload from before the second reset, "all match" over
+    an engine holding the poison."""
+    params = {"a": torch.ones(8), "b": torch.full((4,), 2.0)}
+    truth = {n: t.clone() for n, t in params.items()}
+    actions: list[str] = []
+
+    def digests(phase: str) -> pd.DataFrame:
+        return from_named_tensors(params, role="engine", rank=0, backend="torch", phase=phase)
+
+    session = EndStateSession(_callable_fleet(params, digests, actions))
+    session.snapshot()
+    session.reset()
+    for n, t in truth.items():
+        params[n].copy_(t)
+    session.reload()
+    session.reset()
+    with pytest.raises(RuntimeError, match="has not run reload yet"):
+        session.report()
+
+
+def test_a_rank_of_zero_byte_parameters_is_empty_whatever_fleet_gave_it() -> None:
+    params = {"w0": torch.randn(8)}
+    hollow = {"w1": torch.empty(0), "w2": torch.empty(0, 3)}
+
+    def digests(phase: str) -> pd.DataFrame:
+        return pd.concat(
+            [from_named_tensors(params, role="engine", rank=0, backend="torch"),
+             from_named_tensors(hollow, role="engine", rank=1, backend="torch")],
+            ignore_index=True,
+        )  # fmt: skip
+
+    truth = {n: t.clone() for n, t in params.items()}
+
+    def reload() -> None:
+        for n, t in truth.items():
+            params[n].copy_(t)
+
+    fleet = CallableFleet(lambda: None, lambda: poison_(params), reload, digests)
+    v = run(EndStateSession(fleet)).verdicts
+    assert set(v.loc[v["rank"] == 1, "status"]) == {"empty"} and set(v.loc[v["rank"] == 0, "status"]) == {"match"}
+
+
+def test_a_reset_pattern_the_report_cannot_read_is_refused_before_anything_runs() -> None:
+    params = {"a": torch.ones(8)}
+    actions: list[str] = []
+    fleet = _callable_fleet(params, lambda phase: from_named_tensors(params, role="engine", rank=0, backend="torch"), actions)
+    fleet.reset_pattern = "poisonn"
+    with pytest.raises(ValueError, match="reset_pattern must be one of"):
+        run(EndStateSession(fleet))
+    assert actions == []
+    session = EndStateSession(_callable_fleet(params, lambda phase: from_named_tensors(params, role="engine", rank=0, backend="torch"), actions))
+    session.snapshot()
+    session.fleet.reset_pattern = 256
+    with pytest.raises(ValueError, match="reset_pattern byte must be 0..255"):
+        session.reset()
+    assert actions == ["snapshot"]
+
+
+def test_the_dashboard_refuses_reset_after_an_unusable_snapshot_and_says_nothing_is_poisoned() -> None:
+    from wcviz.endstate import SnapshotUnusable
+    from wcviz.widgets.state import DashboardState
+
+    params = {"w0": torch.randn(4), "w1": torch.randn(4)}
+
+    def digests(phase: str) -> pd.DataFrame:  # two algorithms in one snapshot: it cannot be classified
+        return pd.concat(
+            [from_named_tensors({"w0": params["w0"]}, role="engine", rank=0, backend="torch"),
+             from_named_tensors({"w1": params["w1"]}, role="engine", rank=0, backend="torch", algo="sha256")],
+            ignore_index=True,
+        )  # fmt: skip
+
+    actions: list[str] = []
+    state = DashboardState(_callable_fleet(params, digests, actions))
+    with pytest.raises(SnapshotUnusable):
+        state.phase("snapshot")
+    assert "the snapshot cannot be compared, so nothing may be reset" in (state.step_block("reset") or "")
+    with pytest.raises(RuntimeError, match="reset is disabled"):
+        state.phase("reset")
+    assert "reset" not in actions and not state.reset_started
+    assert state.step_block("snapshot") is None and state.next_step == "snapshot"

@@ -685,3 +685,22 @@ def test_drilldown_wraps_a_long_name_in_its_title() -> None:
     FigureCanvasAgg(fig).draw()
     box = title.get_window_extent(fig.canvas.get_renderer())
     assert box.x0 >= 0 and box.x1 <= fig.bbox.width
+
+
+def test_the_grid_plots_draw_on_axes_of_a_subfigure() -> None:
+    """Axes on a SubFigure are supported (a dashboard lays views out that way); its size is the root figure's."""
+    import torch
+    from matplotlib.figure import Figure
+
+    from wcviz.sources import from_named_tensors
+    from wcviz.views import plot_layer_rank
+
+    weights = {f"model.layers.{i}.mlp.weight": torch.full((4,), float(i)) for i in range(3)}
+    expected = from_named_tensors(weights, role="engine", rank=0, backend="torch")
+    weights["model.layers.1.mlp.weight"] += 1
+    actual = from_named_tensors(weights, role="engine", rank=0, backend="torch")
+    verdicts = compare(expected, actual)
+    left, _ = Figure(figsize=(10, 4)).subfigures(1, 2)
+    ax = left.add_subplot()
+    fig = plot_layer_rank(verdicts, ax=ax)
+    assert fig is not None and len(ax.images) == 1

@@ -102,6 +102,11 @@ def prepare_phases(frames: Mapping[str, pd.DataFrame]) -> dict[str, pd.DataFrame
     return out
 
 
+def check_reset_pattern(pattern: Any) -> None:
+    """Raise the ValueError :func:`classify` would, for a ``reset_pattern`` it cannot read: before a reset, not after."""
+    _pattern_bytes(pattern)
+
+
 def _pattern_bytes(pattern: str | int) -> tuple[int, ...]:
     """The bytes a reset of ``pattern`` may leave in every byte of a parameter (empty: not computable)."""
     if isinstance(pattern, bool):
@@ -271,6 +276,17 @@ def _same_as(out: pd.DataFrame, snap: pd.DataFrame) -> pd.Series:
     return result
 
 
+def _zero_byte_ranks(snap: pd.DataFrame) -> pd.DataFrame:
+    """Ranks whose every snapshot parameter is zero bytes: released or offloaded to size 0, they hold nothing to
+    check (an empty tensor alone proves itself; a rank of nothing else is ``empty``, whatever fleet gave it)."""
+    if not len(snap):
+        return _identities(None)
+    keys = list(IDENTITY)
+    zero = (snap["nbytes"] == 0).fillna(False).astype(bool)
+    per_rank = zero.groupby([snap[k] for k in keys], dropna=False, sort=False).all()
+    return _identities(per_rank[per_rank].index.to_frame(index=False))
+
+
 def _whole_ranks(out: pd.DataFrame, ranks: pd.DataFrame, status: str) -> pd.DataFrame:
     """Every row of ``ranks`` gets ``status``; a rank with no row at all gets one with no name."""
     if not len(ranks):
@@ -315,12 +331,13 @@ def classify(
     equals the snapshot. ``unreachable`` and ``empty`` name ranks (rows with identity
     columns, e.g. :attr:`wcviz.sources.FetchResult.failed`) that did not answer, or
     answered with no parameters, in some phase: all their rows get that status and
-    they are left out of the reset coverage.
+    they are left out of the reset coverage. A rank whose snapshot holds only
+    zero-byte parameters is ``empty`` too.
     """
     p = prepare_phases({"snapshot": snapshot, "reset": reset, "reload": reload})
     snap, rst, rel = p["snapshot"], p["reset"], p["reload"]
     dead = _identities(unreachable)
-    hollow = _identities(empty)
+    hollow = pd.concat([_identities(empty), _zero_byte_ranks(snap)], ignore_index=True).drop_duplicates()
     cov = _coverage(snap, rst, reset_pattern)
     if not allow_partial_reset:
         _raise_if_uncovered(cov[~_on_ranks(cov, dead) & ~_on_ranks(cov, hollow)])

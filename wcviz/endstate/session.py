@@ -36,7 +36,7 @@ import pandas as pd
 
 from wcviz._errors import WcvizError
 from wcviz._text import rank_label
-from wcviz.endstate.classify import PHASES, ResetNotCovered, classify
+from wcviz.endstate.classify import PHASES, ResetNotCovered, check_reset_pattern, classify
 from wcviz.frame import IDENTITY
 from wcviz.sources import ActionResult, FetchResult
 from wcviz.verdicts import summary as verdict_summary
@@ -257,6 +257,11 @@ class EndStateSession:
         self.problems = [p for p in self.problems if p["phase"] != phase]  # a phase run again replaces its record
         if phase == "reset":
             self.unpoisoned = set()
+            for stale in ("reload",):  # a reload before this reset proves nothing about it: report() waits for the next
+                self.frames.pop(stale, None)
+                self.fetches.pop(stale, None)
+                self.answered.pop(stale, None)
+            self.problems = [p for p in self.problems if p["phase"] != "reload"]
         self._act(phase)
         return self._digests(phase)
 
@@ -273,6 +278,7 @@ class EndStateSession:
         if "snapshot" not in self.frames:
             raise RuntimeError("reset before snapshot: take the snapshot first, or nothing can be compared")
         self._refuse_unusable_snapshot()
+        check_reset_pattern(self.fleet.reset_pattern)  # a pattern the report cannot read is refused before the reset
         return self._phase("reset")
 
     def _refuse_unusable_snapshot(self) -> None:
@@ -361,6 +367,7 @@ def run(
     """
     from tqdm.auto import tqdm
 
+    check_reset_pattern(session.fleet.reset_pattern if reset_pattern is None else reset_pattern)  # before anything runs
     with tqdm(total=len(PHASES), desc="end-state check", disable=not progress, leave=False) as bar:
         session.snapshot()
         bar.update()

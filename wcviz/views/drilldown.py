@@ -231,7 +231,7 @@ def plot_drilldown(frames: Mapping[str, pd.DataFrame] | pd.DataFrame, name: str,
         ax = fig.add_subplot()
     else:
         fig = ax.get_figure()  # type: ignore[assignment]  # a SubFigure draws and saves alike
-    fits = max(20, int((fig.get_size_inches()[0] - 1.0) * 72 / (9 * 0.62)))  # characters of a 9 pt title right of the rank labels
+    fits = max(20, int((fig.figure.get_size_inches()[0] - 1.0) * 72 / (9 * 0.62)))  # characters of a 9 pt title right of the rank labels
     ax.set_title(_wrap(_title(d), fits), fontsize=9, loc="left")
     colors = [DRILLDOWN_COLORS[k] for k in _KINDS]
     codes = d.kinds.apply(lambda col: col.map(_KINDS.index)).to_numpy(dtype=int)
@@ -239,7 +239,7 @@ def plot_drilldown(frames: Mapping[str, pd.DataFrame] | pd.DataFrame, name: str,
     ax.imshow(codes, cmap=ListedColormap(colors), norm=norm, aspect="auto", interpolation="nearest")
     ax.set_xticks(range(n_cols), list(d.digests.columns), fontsize=8)
     ax.xaxis.tick_top()
-    size = fig.get_size_inches()
+    size = fig.figure.get_size_inches()
     rows = _ticks(list(d.digests.index), ax.get_position().height * size[1], layered=False)
     ax.set_yticks(rows, [d.digests.index[i] for i in rows], fontsize=_FONT)
     ax.set_ylabel("rank")

@@ -112,9 +112,9 @@ def _mark_nonmatch(ax: Axes, fig: Figure, worst: pd.DataFrame, colors: list[str]
 
     n_rows, n_cols = worst.shape
     box = ax.get_position()
-    w_in, h_in = fig.get_size_inches()
-    cell_w = box.width * w_in * fig.dpi / max(1, n_cols)
-    cell_h = box.height * h_in * fig.dpi / max(1, n_rows)
+    w_in, h_in = fig.figure.get_size_inches()
+    cell_w = box.width * w_in * fig.figure.dpi / max(1, n_cols)
+    cell_h = box.height * h_in * fig.figure.dpi / max(1, n_rows)
     if min(cell_w, cell_h) >= _MIN_CELL_PX:
         return []
     sev = worst.fillna(len(SEVERITY)).to_numpy(dtype=int)
@@ -191,7 +191,7 @@ def plot_layer_rank(
     norm = BoundaryNorm([i - 0.5 for i in range(len(colors) + 1)], len(colors))
     ax.imshow(codes, cmap=cmap, norm=norm, aspect="auto", interpolation="nearest")
 
-    size = fig.get_size_inches()
+    size = fig.figure.get_size_inches()
     box = ax.get_position()
     rows = _ticks(lay.parts, box.height * size[1], layered=True)
     cols = _ticks(lay.ranks, box.width * size[0], layered=False)

@@ -354,7 +354,7 @@ def plot_topology(verdicts: pd.DataFrame, *, ax: Axes | None = None, title: str 
     shown_title = title if title is not None else "engine ranks: worst status per rank"
     if one_host and names and names[0] != "unknown":
         shown_title += f" (host {names[0]})"
-    fits = max(20, int(fig.get_size_inches()[0] * 72 / (10 * 0.62)))  # characters of a 10 pt title across the figure
+    fits = max(20, int(fig.figure.get_size_inches()[0] * 72 / (10 * 0.62)))  # characters of a 10 pt title across the figure
     ax.set_title(textwrap.fill(shown_title, fits), fontsize=10, loc="left")  # from the left edge: never cut off there
     ax.set_axis_off()
     if top.not_shown:  # rows not drawn (trainer ranks): what they hold, under the drawing, red when it is a finding

@@ -18,7 +18,7 @@ from typing import Any
 import pandas as pd
 
 from wcviz._text import plural, rank_label
-from wcviz.endstate import PHASES, EndStateReport, EndStateSession, Fleet, classify, reset_coverage
+from wcviz.endstate import PHASES, EndStateReport, EndStateSession, Fleet, SnapshotUnusable, classify, reset_coverage
 from wcviz.frame import IDENTITY
 from wcviz.sources import FetchResult
 from wcviz.verdicts import check_statuses, compare, n_parameters, status_parts
@@ -94,6 +94,7 @@ class DashboardState(VerdictFilters):
         self.on_change = on_change or (lambda: None)  # told when the source changes by itself (a cluster stopped)
         self.stopped: str | None = None  # why no rank can answer any more, once known
         self.reset_started = False  # a reset was sent in this check (it may have poisoned): Reload is the way back
+        self.unusable: str | None = None  # why this check's snapshot cannot be compared (so no reset may follow it)
         self.activity = ""  # what is happening now, while an action runs
         self.drill_choice: str | None = None
         self.current: pd.DataFrame | None = None
@@ -182,6 +183,8 @@ class DashboardState(VerdictFilters):
                 return "take the snapshot first (1 Snapshot): without it nothing can be compared"
             if self.reset_started:
                 return "this check is reset already: 3 Reload writes the weights back (a new check starts with 1 Snapshot)"
+            if self.unusable is not None:
+                return f"the snapshot cannot be compared, so nothing may be reset: {self.unusable}; take it again (1 Snapshot)"
         if step == "reload":
             if not self.reset_started:
                 return "reset first (2 Reset): Reload writes back what the reset overwrote"
@@ -205,6 +208,8 @@ class DashboardState(VerdictFilters):
     @property
     def next_step(self) -> str | None:
         """The step of the flow to take next (the one the dashboard highlights), or None when the check is done."""
+        if self.unusable is not None and self.step_block("snapshot") is None:
+            return "snapshot"  # the snapshot cannot be compared: take it again
         for step in FLOW:
             if not self._done(step):
                 return step if self.step_block(step) is None else None
@@ -287,12 +292,18 @@ class DashboardState(VerdictFilters):
         if phase == "snapshot":
             self.transport = None
             self.reset_started = False
+            self.unusable = None
             self.frames = {}
         if phase == "reset":
             self.reset_started = True  # from here on the ranks may hold the reset pattern: Reload is the way back
         self.activity = self.plan(phase)
         try:
             frame = getattr(self.session, phase)()
+        except SnapshotUnusable as e:  # refused before any reset was sent: nothing is poisoned
+            self.unusable = str(e).split(": ", 1)[-1]
+            if phase == "reset":
+                self.reset_started = False
+            raise
         finally:
             self.frames = dict(self.session.frames)
         if phase == "reload":
