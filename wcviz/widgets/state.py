@@ -368,14 +368,7 @@ class DashboardState(VerdictFilters):
         parts.append(self._answered(self.session.answered.get(phase, 0)))
         parts.append(plural(len(frame), "parameter"))
         if phase == "reset" and "snapshot" in self.session.frames:
-            try:
-                cov = reset_coverage(self.session.frames["snapshot"], frame, reset_pattern=self.session.fleet.reset_pattern)
-                cols = [c for c in IDENTITY if c in frame]
-                answered = cov[cols].merge(_ranks(frame).assign(_in=True), on=cols, how="left")["_in"].notna().to_numpy()
-                nonempty = cov[~cov["empty"].to_numpy() & answered]  # a rank that did not answer is not counted
-                parts.append(f"{int(nonempty['covered'].sum()):,} of {len(nonempty):,} fully reset")
-            except Exception as e:  # noqa: BLE001 - the coverage is a hint here; Compare reports the real error
-                parts.append(f"reset coverage unknown ({_said(e)})")
+            parts.append(_coverage_hint(self.session.frames["snapshot"], frame, self.session.fleet.reset_pattern))
         return "; ".join(parts)
 
     def verdict_status(self) -> str:
@@ -430,6 +423,18 @@ class DashboardState(VerdictFilters):
             todo = [p.capitalize() for p in ("snapshot", "reset", "reload") if p not in self.frames]
             return f"no verdicts yet ({', '.join(done)} done): " + ", ".join([*todo, "Compare"])
         return "no verdicts yet: press Compare"
+
+
+def _coverage_hint(snapshot: pd.DataFrame, reset: pd.DataFrame, pattern: Any) -> str:
+    """``N of M fully reset`` over the ranks that answered the reset: a hint in the status line (Compare judges)."""
+    try:
+        cov = reset_coverage(snapshot, reset, reset_pattern=pattern)
+        cols = [c for c in IDENTITY if c in reset]
+        answered = cov[cols].merge(_ranks(reset).assign(_in=True), on=cols, how="left")["_in"].notna().to_numpy()
+        nonempty = cov[~cov["empty"].to_numpy() & answered]  # a rank that did not answer is not counted
+        return f"{int(nonempty['covered'].sum()):,} of {len(nonempty):,} fully reset"
+    except Exception as e:  # noqa: BLE001 - the coverage is a hint here; Compare reports the real error
+        return f"reset coverage unknown ({_said(e)})"
 
 
 def _said(e: BaseException) -> str:
