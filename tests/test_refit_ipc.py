@@ -561,7 +561,7 @@ class _UncheckedSender(IPCSender):
     """A sender with a bug: it never checks its tensors against the receiver's metadata before sending."""
 
     def _check_framing(self, tensors: Any, metadata: Any) -> None:
-        pass
+        return None  # the bug under test: nothing checked here, so the receiver must refuse the batch itself
 
 
 def test_a_restarted_receiver_with_another_model_is_prepared_anew(worker: Worker) -> None:
