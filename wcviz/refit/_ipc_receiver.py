@@ -16,7 +16,7 @@ from wcviz.refit._packing import Meta, fingerprint, unpack, walk
 from wcviz.refit._packing import metadata as declared_metadata
 from wcviz.refit._shm import AttachedBuffer, BufferHandle, HandleError
 from wcviz.refit._transport import Transport
-from wcviz.refit.config import check_timeout
+from wcviz.refit.config import DEFAULT_TIMEOUT_S, check_timeout
 from wcviz.refit.faults import FaultPlan, as_like, shifted
 from wcviz.refit.verify import RefitProtocolError
 
@@ -25,7 +25,6 @@ if TYPE_CHECKING:
 
 __all__ = ["IPCReceiver"]
 
-DEFAULT_TIMEOUT_S = 60.0
 SENDER, WIRE, RECEIVER = "sender_after_digest", "wire", "receiver_before_load"
 _REPLY_LINGER_MS = 500  # the receiver's last reply must leave even if it closes at once; bounded, never a hang
 

@@ -87,6 +87,7 @@ from wcviz.refit._group import GroupMember, group_ranks
 from wcviz.refit._packing import ALIGN, Meta, NamedTensors, fingerprint, metadata_of, pack, plan, unpack, walk
 from wcviz.refit._packing import metadata as declared_metadata
 from wcviz.refit._packing import named_tensors as tensor_pairs
+from wcviz.refit.config import DEFAULT_BUFFER_BYTES
 from wcviz.refit.faults import FaultPlan, Swapper, strike
 from wcviz.refit.verify import (
     RefitDigestMismatch,
@@ -111,7 +112,6 @@ __all__ = [
 
 log = logging.getLogger("wcviz.refit")
 
-DEFAULT_BUFFER_BYTES = 256 * 1024 * 1024
 LoadWeights = Callable[[list[tuple[str, torch.Tensor]]], Any]
 
 

@@ -57,12 +57,12 @@ import zmq
 from wcviz.digest import DigestAccumulator
 from wcviz.refit._beside import Beside, settle
 from wcviz.refit._control import ControlSocket, WireLog, check_address, checked_digests, checked_metadata, refused
-from wcviz.refit._ipc_receiver import DEFAULT_TIMEOUT_S, SENDER, WIRE, IPCReceiver, _sync
+from wcviz.refit._ipc_receiver import SENDER, WIRE, IPCReceiver, _sync
 from wcviz.refit._packing import Bucket, Meta, fingerprint, framing_problems, nbytes, pack, plan
 from wcviz.refit._packing import named_tensors as tensor_pairs
 from wcviz.refit._shm import OwnedBuffer
 from wcviz.refit._transport import Transport
-from wcviz.refit.config import check_timeout
+from wcviz.refit.config import DEFAULT_BUFFER_BYTES, DEFAULT_TIMEOUT_S, check_timeout
 from wcviz.refit.faults import FaultPlan, pack_shifted, swap_named
 from wcviz.refit.verify import RefitProtocolError, RefitResult, expected_names, verify_digests
 
@@ -73,7 +73,6 @@ if TYPE_CHECKING:
 
 __all__ = ["DEFAULT_BUFFER_BYTES", "DEFAULT_TIMEOUT_S", "IPCReceiver", "IPCSender", "check_address"]
 
-DEFAULT_BUFFER_BYTES = 256 << 20
 
 
 class IPCSender(Transport):
