@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from wcviz.cli import main
+from wcviz.digest import digest_hex
 from wcviz.sim.model import ModelConfig, build_state_dict
 from wcviz.sim.model import save_checkpoint as write_sharded
 from wcviz.frame import read_table
@@ -386,3 +387,70 @@ def test_digest_and_compare_on_safetensors_never_import_torch(tmp_path: Path) ->
 
     got = read_table(tmp_path / "a.csv").set_index("name")["digest"].to_dict()
     assert got == from_state_dict(build_state_dict(TINY), progress=False).set_index("name")["digest"].to_dict()
+
+
+# --------------------------------------------------------------------------- what the safetensors library writes
+
+
+@pytest.mark.parametrize("dtype", ["float8_e4m3fnuz", "float8_e5m2fnuz", "float4_e2m1fn_x2"])
+def test_every_dtype_the_safetensors_library_writes_for_pytorch_digests_as_pytorch_loads_it(capsys, tmp_path, dtype):
+    """F8_E4M3FNUZ / F8_E5M2FNUZ (ROCm's float8) and F4 were "unknown dtype" to wcviz. F4 counts 4-bit values:
+    safetensors writes float4_e2m1fn_x2 [2, 3] as F4 [2, 6] and loads it back as [2, 3], which the digest hashes."""
+    from safetensors.torch import load_file, save_file
+
+    t = torch.arange(6 * 64, dtype=torch.uint8).view(getattr(torch, dtype)).view(2, 3, 64)
+    path = tmp_path / "w.safetensors"
+    save_file({"w": t, "b": torch.ones(3)}, str(path))
+    want = {n: digest_hex(x) for n, x in load_file(str(path)).items()}
+    assert want["w"] == digest_hex(t)
+    rc, out, err = _run(capsys, "digest", path, "--format", "csv", "--no-progress")
+    assert rc == 0, err
+    got = pd.read_csv(io.StringIO(out), dtype={"digest": str})
+    assert dict(zip(got["name"], got["digest"])) == want
+    row = got.set_index("name").loc["w"]
+    assert row["dtype"] == dtype and row["shape"] == "[2, 3, 64]" and row["nbytes"] == t.numel() * t.element_size()
+
+
+def test_an_f4_tensor_with_an_odd_last_dimension_and_a_tensor_with_no_name_are_refused_naming_the_file(capsys, tmp_path):
+    odd = tmp_path / "odd.safetensors"
+    raw = json.dumps({"w": {"dtype": "F4", "shape": [2, 3], "data_offsets": [0, 3]}}).encode()
+    odd.write_bytes(len(raw).to_bytes(8, "little") + raw + b"\0\0\0")
+    from safetensors.torch import save_file
+
+    unnamed = tmp_path / "unnamed.safetensors"
+    save_file({"": torch.ones(2), "b": torch.ones(2)}, str(unnamed))  # the library writes and loads it
+    for path, why in ((odd, "last dimension must be a multiple of 2"), (unnamed, "a tensor has an empty name")):
+        for argv in (("digest", path), ("digest", path, "--format", "csv"), ("compare", path, path)):
+            rc, _, err = _run(capsys, *argv, "--no-progress")
+            assert rc == 2, (argv, err)
+            _assert_clean_error(err, path.name, why)
+
+
+def test_a_checkpoint_directory_whose_name_ends_like_a_table_is_read_as_a_checkpoint(capsys, tmp_path, sd):
+    d = write_sharded(sd, tmp_path / "ck.csv")
+    assert d.is_dir()
+    rc, out, err = _run(capsys, "compare", d, d, "--no-progress")
+    assert rc == 0, err
+    assert f"{len(sd)} match" in out
+
+
+@pytest.mark.parametrize(
+    "argv, why",
+    [
+        (["--models", "llama-3-8B"], "unknown model 'llama-3-8B'"),
+        (["--out", "cost.txt"], "unknown table format .txt"),
+        (["--plot", "cost.foo"], "matplotlib cannot write foo"),
+        (["--out", "no/such/dir/cost.csv"], "does not exist"),
+    ],
+)
+def test_bench_refuses_bad_arguments_before_measuring_anything(capsys, monkeypatch, tmp_path, argv, why):
+    import wcviz.bench
+
+    def measured(*a, **k):
+        raise AssertionError("measured before the arguments were checked")
+
+    monkeypatch.setattr(wcviz.bench, "throughput", measured)
+    monkeypatch.chdir(tmp_path)
+    rc, _, err = _run(capsys, "bench", "--quick", *argv)
+    assert rc == 2
+    _assert_clean_error(err, why)

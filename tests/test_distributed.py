@@ -82,6 +82,9 @@ def _scenarios(rank: int, sub: Any, short: Any) -> list[tuple[str, Any]]:
         f = frame(role="trainer", rank=1 if rank == 2 else rank)
         return gather_frame(f.assign(name=f["name"] + ".pp1") if rank == 2 else f, dst=0)
 
+    def rank_reused() -> Any:  # numbered by tp alone: global ranks 0 and 2 both claim rank 0, at pp 0 and pp 1
+        return from_distributed(mine, dst=0, role="engine", rank=rank % 2, pp=rank // 2, tp=rank % 2)
+
     def bad_frame() -> Any:
         f = frame(role="trainer", rank=rank)
         return gather_frame(f.drop(columns=["digest"]) if rank == 2 else f, dst=1)
@@ -100,6 +103,7 @@ def _scenarios(rank: int, sub: Any, short: Any) -> list[tuple[str, Any]]:
         ("reversed identity", reversed_identity),
         ("duplicate", duplicate),
         ("duplicate, disjoint names", duplicate_disjoint),
+        ("rank reused", rank_reused),
         ("bad frame", bad_frame),
         ("undigestible", undigestible),
         ("dead", dead),
@@ -290,6 +294,21 @@ def test_two_ranks_claiming_one_identity_fail_even_when_no_row_repeats(world):
         assert "two members claim one rank identity" in err["message"] and "ranks 1 and 2 both claim (role=trainer, rank=1)" in err["message"]
 
 
+def test_one_rank_number_with_two_sets_of_coordinates_is_refused_at_the_gather(world):
+    """What compare and the end-state check refuse later (one rank, two identities) is refused where the rows
+    meet, on every member alike, naming the global ranks that sent them."""
+    messages = set()
+    for rank in range(WORLD):
+        err = rec(world, "rank reused", rank).get("error")
+        assert err is not None and err["type"] == "TableError", f"rank {rank} did not raise: {rec(world, 'rank reused', rank)}"
+        messages.add(err["message"])
+    assert len(messages) == 1
+    (message,) = messages
+    assert message.startswith("gather_frame: the engine rows: rank 0 claims two identities: (rank=0 pp=0 tp=0) in the rows of "
+                              "global rank 0 and (rank=0 pp=1 tp=0) in the rows of global rank 2"), message
+    assert "global rank 1" not in message
+
+
 def test_a_bad_frame_on_one_rank_makes_every_rank_raise_naming_it(world):
     messages = set()
     for rank in range(WORLD):
@@ -378,3 +397,36 @@ def test_combine_orders_checks_and_fills():
     with pytest.raises(GatherError, match=r"rank 1 holds no parameters"):
         _combine(_payloads({0: a, 1: a.iloc[0:0]}), [0, 1])
     assert pickle.loads(_payloads({0: a})[0]["frame"]).equals(a)
+
+
+def test_combine_refuses_a_rank_number_claimed_with_two_sets_of_coordinates():
+    """The rule of ``frame.check_identities``, per role (a rank counts within its role's world), naming senders."""
+    from wcviz._errors import TableError
+    from wcviz.frame import make_frame
+    from wcviz.sources._distributed import _combine
+
+    def shard(role: str, rank: int, **coords: int) -> pd.DataFrame:
+        return make_frame([{"name": f"w{rank}", "digest": "ab" * 32, "algo": "sha256", "role": role, "rank": rank, **coords}])
+
+    payloads = _payloads({0: shard("engine", 0, pp=0, tp=0), 1: shard("engine", 1, pp=0, tp=1), 3: shard("engine", 0, pp=1, tp=0)})
+    with pytest.raises(TableError, match=r"the engine rows: rank 0 claims two identities: \(rank=0 pp=0 tp=0\) in the rows of "
+                       r"global rank 0 and \(rank=0 pp=1 tp=0\) in the rows of global rank 3"):
+        _combine(payloads, [0, 1, 3])
+    both = pd.concat([shard("engine", 0, pp=0), shard("engine", 0, pp=1)], ignore_index=True)  # one member, two identities
+    with pytest.raises(TableError, match=r"\(rank=0 pp=0\) in the rows of global rank 2 and \(rank=0 pp=1\) in the rows of global rank 2"):
+        _combine(_payloads({2: both}), [2])
+    # trainer rank 0 and engine rank 0 are two ranks of two worlds, whatever their coordinates
+    mixed = _combine(_payloads({0: shard("trainer", 0), 1: shard("engine", 0, pp=1, tp=1)}), [0, 1])
+    assert mixed["role"].tolist() == ["engine", "trainer"] and mixed["rank"].tolist() == [0, 0]
+
+
+def test_a_negative_rank_is_refused_at_the_gather_naming_the_member():
+    """As ``_fleet.identity_of`` refuses ``rank=-1`` from an agent, a member's frame claiming it is a bad frame."""
+    from wcviz._errors import TableError
+    from wcviz.frame import make_frame
+    from wcviz.sources._distributed import _combine
+
+    good = make_frame([{"name": "w", "digest": "ab" * 32, "algo": "sha256", "role": "engine", "rank": 0}])
+    bad = pd.DataFrame([{"name": "w", "digest": "cd" * 32, "algo": "sha256", "role": "engine", "rank": -1}])
+    with pytest.raises(TableError, match=r"rank 1's frame: column 'rank' holds -1 in row 0, not a coordinate"):
+        _combine(_payloads({0: good, 1: bad}), [0, 1])

@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 import warnings
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -452,14 +453,34 @@ def test_integer_columns_refuse_what_is_not_an_int64_without_a_warning(tmp_path,
 
 def test_integer_columns_keep_every_int64_exactly():
     """The ends of int64 beside a missing value: read exactly, not through float64."""
-    rows = [{"name": "a", "digest": "00" * 16, "algo": "nemo-rl-v3", "step": 2**63 - 1, "rank": -(2**63)},
+    rows = [{"name": "a", "digest": "00" * 16, "algo": "nemo-rl-v3", "step": -(2**63), "rank": 2**63 - 1},
             {"name": "b", "digest": "00" * 16, "algo": "nemo-rl-v3", "step": None, "rank": 2**53 + 1}]  # fmt: skip
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         frame = validate(pd.DataFrame(rows, dtype=object))
-        assert frame["step"].tolist() == [2**63 - 1, pd.NA]
-        assert frame["rank"].tolist() == [-(2**63), 2**53 + 1]
+        assert frame["step"].tolist() == [-(2**63), pd.NA]
+        assert frame["rank"].tolist() == [2**63 - 1, 2**53 + 1]
         assert validate(pd.DataFrame({"name": ["w"], "digest": ["00" * 16], "algo": ["nemo-rl-v3"], "rank": [3.0]}))["rank"].tolist() == [3]
+
+
+@pytest.mark.parametrize("col", ["rank", "dp", "pp", "tp", "ep"])
+def test_a_negative_rank_or_coordinate_is_refused_naming_the_column_and_row(tmp_path, col):
+    """Ranks and coordinates count from 0, in a table as in a rank's info (``_fleet.identity_of``): -1 is no rank."""
+    from wcviz.sources._fleet import Failed, identity_of
+
+    rows = [_full_row(), _full_row(name="lm_head.weight", **{col: -1})]
+    why = rf"column '{col}' holds -1 in row 1, not a coordinate \(0 <= {col} < 2\*\*63\)"
+    with pytest.raises(TableError, match=rf"^rows: {why}$"):
+        make_frame(rows)
+    with pytest.raises(TableError, match=why):
+        validate(pd.DataFrame(rows))
+    p = tmp_path / "t.csv"
+    pd.DataFrame(rows).to_csv(p, index=False)
+    with pytest.raises(TableError, match=rf"{p}: {why}"):
+        read_table(p)
+    with pytest.raises(Failed, match=rf"has {col}=-1, not a coordinate \(0 <= {col} < 2\*\*63\)"):
+        identity_of({"role": "engine", "rank": 0, col: -1}, "/v1/info")
+    assert make_frame([_full_row(**{col: 0})])[col].tolist() == [0]
 
 
 def test_cli_compare_of_a_table_with_a_huge_rank_is_one_line_and_exit_2(tmp_path):
@@ -500,3 +521,18 @@ def test_a_frame_with_a_repeated_column_is_refused():
     df = pd.DataFrame([["w", "0" * 32, "nemo-rl-v3", "1" * 32]], columns=["name", "digest", "algo", "digest"])
     with pytest.raises(TableError, match="column 'digest' appears more than once"):
         validate(df)
+
+
+def test_a_number_beyond_int64_is_named_as_the_table_holds_it_with_no_numpy_warning_first(tmp_path: Path) -> None:
+    """A CSV ``rank`` of 1e+300 printed numpy's "invalid value encountered in cast" twice before the error (and
+    under ``-W error`` the error named the warning, not the column); an object column holding 1e300 was shown as
+    the 40 first digits of ``int(1e300)``."""
+    path = tmp_path / "big.csv"
+    path.write_text("name,digest,algo,rank\nw," + "0" * 32 + ",nemo-rl-v3,1e+300\n")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(TableError, match=r"column 'rank' holds 1e\+300 in row 0, a number that does not fit in int64"):
+            read_table(path)
+        df = pd.DataFrame({"name": ["w"], "digest": ["0" * 32], "algo": ["nemo-rl-v3"], "rank": pd.Series([1e300], dtype=object)})
+        with pytest.raises(TableError, match=r"column 'rank' holds 1e\+300 in row 0"):
+            validate(df)

@@ -75,6 +75,19 @@ class ShardWorker(WcvizWorkerExtension):
 
         raise ray.exceptions.GetTimeoutError("a ray.get of its own, inside the method, timed out")
 
+    def resized(self, extra: int, name_regex: str | None = None) -> dict[str, Any]:
+        """The extension's own answer (its info counts every parameter) with ``extra`` rows more (renamed copies)
+        or, below 0, fewer: a digest table that lost or gained rows on the way."""
+        answer = self.wcviz_digests(name_regex)
+        rows = answer["rows"]
+        rows = rows[:extra] if extra < 0 else rows + [{**r, "name": f"{r['name']}.copy"} for r in rows[:extra]]
+        return {**answer, "rows": rows}
+
+    def holds_nothing(self, name_regex: str | None = None) -> dict[str, Any]:
+        """An answer with no rows and an info that does not count parameters: a rank whose weights are released."""
+        info = {k: v for k, v in self.wcviz_info().items() if k != "params"}
+        return {"info": info, "rows": []}
+
 
 @pytest.fixture(scope="module")
 def ray() -> Iterator[Any]:
@@ -171,6 +184,28 @@ def test_expected_identity_is_checked(actors: list[Any]) -> None:
         from_ray_actors({actors[0]: {"tensor": 0}})
     with pytest.raises(ValueError, match="given twice"):
         from_ray_actors([actors[0], actors[0]])
+
+
+def test_a_row_count_other_than_the_info_counts_fails_the_actor(actors: list[Any]) -> None:
+    """As the HTTP and vLLM sources: an actor whose info counts N parameters but answers fewer (or more) rows
+    cannot be trusted to say what it holds, and is no pass; a name filter chooses rows on purpose."""
+    n = len(shard_of(0)[0].params)
+    for extra in (-2, 1):
+        for kwargs in ({}, {"name_regex": None}):  # a filter of None filters nothing
+            res = from_ray_actors(actors[:1], "resized", extra=extra, **kwargs)
+            assert not res.complete and res.failed["kind"].tolist() == ["failed"], (extra, kwargs, res.summary)
+            assert res.failed["error"].iloc[0] == f"the actor counts {n} parameters but resized gave {n + extra} rows"
+            assert res.failed["rank"].iloc[0] == 0 and len(res.frame) == 0
+    part = from_ray_actors(actors[:1], "resized", extra=0, name_regex="norm")
+    assert part.complete and 0 < len(part.frame) < n and part.frame["name"].str.contains("norm").all()
+
+
+def test_only_a_name_filter_that_is_given_makes_no_rows_no_empty_rank(actors: list[Any]) -> None:
+    """``name_regex=None`` is no filter: an actor answering no rows is ``empty``, as with no keyword at all."""
+    for kwargs in ({}, {"name_regex": None}):
+        res = from_ray_actors(actors[:1], "holds_nothing", info_method=None, **kwargs)
+        assert not res.complete and res.failed["kind"].tolist() == ["empty"], (kwargs, res.summary)
+    assert from_ray_actors(actors[:1], "holds_nothing", info_method=None, name_regex="nothing matches").complete
 
 
 def test_a_killed_actor_is_unreachable_with_its_identity_if_known(ray: Any, actors: list[Any]) -> None:

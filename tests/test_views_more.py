@@ -538,6 +538,29 @@ def test_recorded_gpu_rates_are_labelled_and_never_measured_here(tmp_path: Path)
     assert "not measured on a GPU yet" not in text
 
 
+def test_every_recorded_gpu_figure_carries_its_own_date_and_device(tmp_path: Path) -> None:
+    """Two recorded GPUs (as ``benchmarks/gpu.py --record`` appends them): each row and each rate line says which run
+    its figure comes from; the two ``triton cuda`` rows no longer look alike and neither rate line is dropped."""
+    import json
+
+    from wcviz.bench import predicted_cost, predicted_text, recorded_rates
+
+    runs = tmp_path / "gpu_runs.json"
+    runs.write_text(json.dumps({"runs": [
+        {"date": "2026-11-29", "device": "NVIDIA H100 80GB HBM3", "backend": "triton", "gbps": 900.0, "overhead_s": 2e-5},
+        {"date": "2026-12-01", "device": "NVIDIA H200", "backend": "triton", "gbps": 1400.0, "overhead_s": 1e-5},
+    ]}))
+    cpu = pd.DataFrame({"backend": ["numba"], "device": ["cpu"], "gbps": [3.0], "overhead_s": [3e-6], "rate_source": ["measured here"]})
+    text = predicted_text(predicted_cost(["llama-3-8b"], pd.concat([cpu, recorded_rates(runs)], ignore_index=True)))
+    rows = [line for line in text.splitlines() if line.startswith("llama-3-8b ")]
+    assert [line.split("-  ")[-1] for line in rows] == [
+        "measured here", "recorded 2026-11-29 on NVIDIA H100 80GB HBM3", "recorded 2026-12-01 on NVIDIA H200"]
+    assert rows[1].startswith("llama-3-8b     triton  cuda       291   16.1 GB       0.0237")
+    assert rows[2].startswith("llama-3-8b     triton  cuda       291   16.1 GB       0.0144")
+    assert "  triton on cuda: 900.00 GB/s, 0.020 ms per tensor, recorded 2026-11-29 on NVIDIA H100 80GB HBM3" in text
+    assert "  triton on cuda: 1400.00 GB/s, 0.010 ms per tensor, recorded 2026-12-01 on NVIDIA H200" in text
+
+
 def test_recorded_rates_file_errors_name_the_file(tmp_path: Path) -> None:
     from wcviz.bench import GPU_RUNS, recorded_rates
 

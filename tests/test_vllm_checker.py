@@ -247,6 +247,25 @@ def test_verify_an_engine_that_fails_as_a_whole_is_unreachable_by_rank_and_exits
     assert "HTTP 500: oops" in capsys.readouterr().out
 
 
+def test_verify_an_engine_nothing_answers_for_is_unreachable_and_exits_1_whatever_engine_is_named(
+    checkpoint: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """With ``--engine auto`` a refused connection used to leave the detection step as bad input (exit 2); the
+    exit code must not depend on whether the user named the engine."""
+    import socket
+
+    with socket.socket() as s:  # a port that was free a moment ago: nothing listens there
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}"
+    for engine in ("auto", "vllm", "sglang"):
+        assert main(["verify", url, "--checkpoint", str(checkpoint), "--tp", "2", "--engine", engine, "--vocab-padding", "1", "--timeout", "5"]) == 1, engine
+        out = capsys.readouterr().out
+        assert "unreachable" in out, (engine, out)
+    report = verify_engine(url, checkpoint, tp=2, vocab_padding=1, timeout_s=5)
+    assert not report.ok and set(report.verdicts["status"]) == {"unreachable"}
+    assert "did not answer" in report.summary
+
+
 def test_verify_a_failing_dp_replica_is_unreachable_not_missing(checkpoint: Path) -> None:
     sim = SimSglang(TINY, tp=2, dp=2, failing=[1])
     with sim as url:

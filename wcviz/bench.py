@@ -310,17 +310,23 @@ def predicted_cost(
 
 
 def predicted_text(cost: pd.DataFrame) -> str:
-    """The prediction as a terminal table: one line per (model, backend, device), predictions marked as such."""
+    """The prediction as a terminal table: one line per (model, backend, device), predictions marked as such.
+
+    Where any rate was not measured here (a recorded GPU run), every line ends with where its rates come from, so
+    two GPUs of one backend (``triton cuda``) are told apart by date and device; a rate line is given per source."""
     from wcviz._text import size
 
-    lines = [f"{'model':<14} {'backend':<7} {'device':<6} {'tensors':>7} {'size':>9} {'predicted s':>12} {'measured s':>11}"]
+    elsewhere = bool((cost["rate_source"] != MEASURED_HERE).any())
+    header = f"{'model':<14} {'backend':<7} {'device':<6} {'tensors':>7} {'size':>9} {'predicted s':>12} {'measured s':>11}"
+    lines = [header + ("  rates" if elsewhere else "")]
     for r in cost.itertuples(index=False):
         measured = "-" if math.isnan(r.measured_s) else _secs(r.measured_s)
         lines.append(
             f"{r.model:<14} {r.backend:<7} {r.device:<6} {r.params:>7} {size(r.nbytes):>9} {_secs(r.predicted_s):>12} {measured:>11}"
+            + (f"  {r.rate_source}" if elsewhere else "")
         )
     lines.append("predicted = bytes / measured GB/s + tensors x measured per-tensor cost; measured = a whole-model digest here")
-    sources = cost.drop_duplicates(["backend", "device"])
+    sources = cost.drop_duplicates(["backend", "device", "rate_source"])
     for r in sources.itertuples(index=False):
         lines.append(f"  {r.backend} on {r.device}: {r.gbps:.2f} GB/s, {r.overhead_s * 1e3:.3f} ms per tensor, {r.rate_source}")
     if not (cost["device"] != "cpu").any():

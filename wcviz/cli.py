@@ -14,9 +14,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pandas loads only where a command needs a frame: ``wcviz digest`` prints its table without it
     import pandas as pd
@@ -111,7 +111,11 @@ def _parser() -> argparse.ArgumentParser:
 def _is_table(path: str) -> bool:
     from wcviz.frame import TABLE_SUFFIXES
 
-    return Path(path).suffix.lower() in TABLE_SUFFIXES and not path.endswith(".safetensors.index.json")
+    return (
+        Path(path).suffix.lower() in TABLE_SUFFIXES
+        and not path.endswith(".safetensors.index.json")
+        and not Path(path).is_dir()  # a checkpoint directory named "ck.csv" is still a checkpoint
+    )
 
 
 def _load_pair(args: argparse.Namespace) -> tuple[pd.DataFrame, pd.DataFrame]:
@@ -276,8 +280,9 @@ def _verify(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     import pandas as pd
 
-    from wcviz.bench import predicted_cost, predicted_text, recorded_rates, throughput
+    from wcviz.bench import ZOO, predicted_cost, predicted_text, recorded_rates, throughput
 
+    _check_bench_args(args, ZOO)  # before a minute of measuring, not after
     rates = throughput(args.backends, big_mib=args.big_mib)
     for r in rates.itertuples(index=False):
         print(f"measured: {r.backend} {r.gbps:.2f} GB/s on {args.big_mib} MiB of bf16, {r.overhead_s * 1e3:.3f} ms per extra tensor")
@@ -301,6 +306,27 @@ def _bench(args: argparse.Namespace) -> int:
         plot_predicted_cost(cost).savefig(args.plot, dpi=110)
         print(f"wrote the cost plot to {args.plot}", file=sys.stderr)
     return 0
+
+
+def _check_bench_args(args: argparse.Namespace, zoo: Mapping[str, Any]) -> None:
+    """``--models``, ``--out`` and ``--plot`` refused by name before anything is measured."""
+    from wcviz._errors import TableError
+
+    unknown = [n for n in args.models or () if n not in zoo]
+    if unknown:
+        raise ValueError(f"unknown model {', '.join(map(repr, unknown))}; choose from {', '.join(zoo)}")
+    if args.out and Path(args.out).suffix.lower() not in (".csv", ".parquet", ".json"):
+        raise TableError(f"{args.out}: unknown table format {Path(args.out).suffix or '(no suffix)'}; use .csv, .parquet or .json")
+    if args.plot:
+        from matplotlib.figure import Figure
+
+        kinds = Figure().canvas.get_supported_filetypes()
+        kind = Path(args.plot).suffix.lower().lstrip(".")
+        if kind and kind not in kinds:  # no suffix: matplotlib writes its default format (png)
+            raise ValueError(f"--plot {args.plot}: matplotlib cannot write {kind}; use one of .{', .'.join(sorted(kinds))}")
+    for path in (args.out, args.plot):
+        if path and not Path(path).resolve().parent.is_dir():
+            raise ValueError(f"{path}: the directory {Path(path).resolve().parent} does not exist")
 
 
 def _check_did_not_pass(e: BaseException) -> bool:

@@ -8,15 +8,17 @@ column        dtype     meaning
 name          str       parameter name as its holder calls it
 digest        str       lowercase hex digest in its algorithm's format (32 chars for
                         nemo-rl-v3, 64 for sha256; see ``wcviz.digest.DIGEST_FORMATS``)
-algo          str       algorithm that made ``digest``: ``nemo-rl-v3``, ``sha256``,
-                        ``sglang`` (an engine's own checksum); nothing else
+algo          str       algorithm that made ``digest``: a key of ``DIGEST_FORMATS``
+                        (``nemo-rl-v3``, ``sha256``, the engines' ``vllm-sha256``,
+                        ``sglang-cpu``, ``sglang-gpu``, ``sglang``); nothing else
 dtype         str       PyTorch dtype without ``torch.`` (``bfloat16``)
 shape         str       JSON list of dims: ``[4096, 4096]``; ``[]`` for a 0-d tensor
 nbytes        Int64     ``numel * element_size``
 role          str       who holds it: ``trainer``, ``engine``, ``checkpoint``, ``module``
 rank          Int64     global rank within the role's world (NA when not a rank)
 dp, pp, tp,   Int64     data-, pipeline-, tensor-, expert-parallel coordinates (NA if
-ep                      unknown); rank identity comes from these, never list order
+ep                      unknown); rank identity comes from these, never list order.
+                        ``rank`` and these count from 0: a negative one is refused
 host          str       host name the rank runs on
 device        str       device the tensor was digested on (``cpu``, ``cuda:3``)
 layer         Int64     transformer layer parsed from the name (``layers.N``, ``h.N``,
@@ -29,6 +31,9 @@ step          Int64     training step the weights belong to, if known
 seconds       float64   what digesting this tensor cost on that rank (a device
                         backend that syncs once shares its total out by bytes)
 ============  ========  ==========================================================
+
+Frames fetched from running ranks (agents, the engines' checkers) carry one more
+column, ``url`` (str): where each row was fetched from.
 
 Missing strings are NA (never ``""``), so a table survives CSV, parquet and JSON
 unchanged: :func:`write_table` / :func:`read_table` roundtrip exactly. A digest
@@ -44,7 +49,8 @@ import functools
 import json
 import math
 import re
-from collections.abc import Iterable, Mapping, Sequence
+import warnings
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +78,8 @@ __all__ = [
     "json_cell",
     "check_identities",
     "check_rank_info",
+    "coordinate_problem",
+    "identity_clash",
     "check_unique_keys",
     "TABLE_SUFFIXES",
 ]
@@ -211,7 +219,8 @@ def _as_int64(s: pd.Series, col: str, source: str) -> Any:
     column and row (a plain cast would warn, wrap or round instead). Missing values become NA."""
 
     def refuse(i: int, v: Any, why: str) -> TableError:
-        return TableError(f"{source}: column {col!r} holds {str(v)[:40]} in row {i}, {why}")
+        shown = str(v) if len(str(v)) <= 40 else str(v)[:37] + "..."
+        return TableError(f"{source}: column {col!r} holds {shown} in row {i}, {why}")
 
     if s.dtype == object:
         kind = pd.api.types.infer_dtype(s, skipna=True)
@@ -262,6 +271,7 @@ def _python_ints(s: pd.Series, refuse: Any) -> Any:
             continue
         if isinstance(v, (bool, np.bool_)):
             raise refuse(i, v, "not an integer")
+        given = v  # as the table holds it: 1e300, not the 301 digits of int(1e300)
         if isinstance(v, (float, np.floating)):
             if not (math.isfinite(v) and float(v).is_integer()):
                 raise refuse(i, v, "not an integer")
@@ -269,7 +279,7 @@ def _python_ints(s: pd.Series, refuse: Any) -> Any:
         if not isinstance(v, (int, np.integer)):
             raise TypeError(f"{str(v)[:40]!r} (a {type(v).__name__}) in row {i} is not a number")
         if not _I64_MIN <= int(v) <= _I64_MAX:
-            raise refuse(i, v, "a number that does not fit in int64")
+            raise refuse(i, given, "a number that does not fit in int64")
         ints[i] = int(v)
     return pd.arrays.IntegerArray(ints, missing)
 
@@ -329,6 +339,7 @@ def validate(df: pd.DataFrame, source: str = "table") -> pd.DataFrame:
             derived[c] = pd.array([None if na else found[n] for n, na in zip(names, missing)], dtype=COLUMNS[c])
         df = df.assign(**derived)
     frame = _coerce(df, source)
+    _check_coordinates(frame, source)
     for col in REQUIRED:
         na = np.asarray(frame[col].array.isna())
         if na.any():
@@ -339,6 +350,24 @@ def validate(df: pd.DataFrame, source: str = "table") -> pd.DataFrame:
         raise TableError(f"{source}: column 'block' has {bad.iloc[0]!r}; expected one of {', '.join(BLOCKS)}")
     frame["digest"] = _checked_digests(frame, source)
     return frame
+
+
+def coordinate_problem(column: str, value: int) -> str | None:
+    """Why ``value`` cannot be a rank's ``column`` (rank, dp, pp, tp, ep), or None: they count from 0 and fit in
+    int64. The one rule for a table's rows and for what a rank's info claims (``sources._fleet.identity_of``)."""
+    return None if 0 <= value < 2**63 else f"not a coordinate (0 <= {column} < 2**63)"
+
+
+def _check_coordinates(frame: pd.DataFrame, source: str) -> None:
+    """A TableError naming the column and row of the first identity value :func:`coordinate_problem` refuses
+    (``rank=-1``): each distinct value is asked once, so a large table costs a ``unique`` per column."""
+    for col in IDENTITY:
+        values = frame[col]
+        bad = [v for v in values.dropna().unique() if coordinate_problem(col, int(v)) is not None]
+        if bad:
+            i = int(np.flatnonzero(values.isin(bad).fillna(False).to_numpy(dtype=bool))[0])
+            value = int(values.iloc[i])
+            raise TableError(f"{source}: column {col!r} holds {value} in row {i}, {coordinate_problem(col, value)}")
 
 
 def _checked_digests(frame: pd.DataFrame, source: str) -> pd.Series:
@@ -389,13 +418,15 @@ def _coords(row: Mapping[str, Any]) -> str:
     return rank_label(row, "coords")
 
 
-def check_identities(df: pd.DataFrame, source: str = "table") -> None:
-    """Refuse a table in which one rank claims two identities: a rank number with two sets of
-    coordinates, or one rank (number and coordinates) with two roles or hosts.
+def _rows(labels: Sequence[Any]) -> str:
+    return f"row {labels[0]}" if len(labels) == 1 else "rows " + " and ".join(map(str, labels))
 
-    Verdicts match ranks by their coordinates, so such rows would silently be merged into
-    one rank or split into two; raises a :class:`TableError` naming both rows.
-    """
+
+def identity_clash(df: pd.DataFrame, where: Callable[[Sequence[Any]], str] = _rows) -> str | None:
+    """What is wrong where one rank claims two identities in ``df`` (see :func:`check_identities`), or None.
+
+    ``where(labels)`` names rows by their index labels (``row 3``, ``rows 3 and 7``), so a caller that knows
+    where rows came from (the member that sent them) can say so with the same rule."""
     ids = list(IDENTITY)
     ranked = df[df["rank"].notna()]
     if len(ranked):
@@ -403,9 +434,9 @@ def check_identities(df: pd.DataFrame, source: str = "table") -> None:
         clash = per[per["rank"].duplicated(keep=False)]
         if len(clash):
             first, second = clash[clash["rank"] == clash["rank"].iloc[0]].index[:2]
-            raise TableError(
-                f"{source}: rank {int(df.at[first, 'rank'])} claims two identities: {_coords(df.loc[first])} in row "
-                f"{first} and {_coords(df.loc[second])} in row {second}"
+            return (
+                f"rank {int(df.at[first, 'rank'])} claims two identities: {_coords(df.loc[first])} in {where([first])} "
+                f"and {_coords(df.loc[second])} in {where([second])}"
             )
     for col in ("role", "host"):
         if col not in df.columns:
@@ -417,10 +448,23 @@ def check_identities(df: pd.DataFrame, source: str = "table") -> None:
             key = clash.loc[first, ids]
             same = clash[(clash[ids] == key).fillna(clash[ids].isna() & key.isna()).all(axis=1)]
             second = same.index[1]
-            raise TableError(
-                f"{source}: rows {first} and {second} claim the same rank {_coords(df.loc[first])} with "
+            return (
+                f"{where([first, second])} claim the same rank {_coords(df.loc[first])} with "
                 f"{col} {df.at[first, col]!r} and {df.at[second, col]!r}: two ranks cannot share coordinates"
             )
+    return None
+
+
+def check_identities(df: pd.DataFrame, source: str = "table") -> None:
+    """Refuse a table in which one rank claims two identities: a rank number with two sets of
+    coordinates, or one rank (number and coordinates) with two roles or hosts.
+
+    Verdicts match ranks by their coordinates, so such rows would silently be merged into
+    one rank or split into two; raises a :class:`TableError` naming both rows.
+    """
+    why = identity_clash(df)
+    if why is not None:
+        raise TableError(f"{source}: {why}")
 
 
 def json_cell(v: Any) -> Any:
@@ -516,8 +560,10 @@ def read_table(path: str | Path) -> pd.DataFrame:
         if suffix == ".csv":
             _refuse_repeated_csv_columns(path)
             try:
-                df = pd.read_csv(path, dtype={c: ("object" if t == _STR else t) for c, t in COLUMNS.items()}, keep_default_na=False, na_values=[""])
-            except (TypeError, ValueError, OverflowError):  # a value its column cannot hold: read as text so validate names the column
+                with warnings.catch_warnings():  # numpy's cast warning for a value like 1e300 is a value its column cannot hold
+                    warnings.simplefilter("error", RuntimeWarning)
+                    df = pd.read_csv(path, dtype={c: ("object" if t == _STR else t) for c, t in COLUMNS.items()}, keep_default_na=False, na_values=[""])
+            except (TypeError, ValueError, OverflowError, RuntimeWarning):  # a value its column cannot hold: read as text so validate names the column
                 df = pd.read_csv(path, dtype="object", keep_default_na=False, na_values=[""])
         elif suffix == ".parquet":
             df = pd.read_parquet(path)

@@ -91,8 +91,9 @@ def _engine_dtype(config: Mapping[str, Any], dtype: str | None) -> str | None:
     return "bfloat16" if said in ("float32", "float") else said
 
 
-def _which_engine(url: str, net: Mapping[str, Any]) -> str:
-    """``vllm`` when ``/get_world_size`` answers (dev mode), else ``sglang`` when ``/weights_checker`` does."""
+def _which_engine(url: str, net: Mapping[str, Any]) -> str | None:
+    """``vllm`` when ``/get_world_size`` answers (dev mode), ``sglang`` when the server answers otherwise, None
+    when nothing answers at all (which engine it is cannot be told then; every rank is unreachable either way)."""
     from wcviz.sources import EngineEndpointError, vllm_world_size
 
     try:
@@ -100,7 +101,7 @@ def _which_engine(url: str, net: Mapping[str, Any]) -> str:
         return "vllm"
     except EngineEndpointError as e:
         if e.kind == "unreachable":
-            raise
+            return None
     return "sglang"
 
 
@@ -160,7 +161,9 @@ def verify_engine(
     dtypes = {n: v for n, v in vars(torch).items() if isinstance(v, torch.dtype)}  # no getattr: no torch warnings
     if served and served not in dtypes:
         raise WcvizError(f"the served dtype {served!r} (--dtype, or config.json's torch_dtype) is not a torch dtype")
-    which = _which_engine(url, net) if engine == "auto" else engine
+    found = _which_engine(url, net) if engine == "auto" else engine
+    which = found or "vllm"  # nothing answered: vLLM's fetch reports each rank unreachable, with the error
+    label = found or "the engine (vllm or sglang: it did not answer)"
     algo = _ALGO[which]
     expected = expected_frame(
         checkpoint, family, tp=tp, pp=pp, dp=dp, ep=ep, heads=heads, kv_heads=kv_heads, vocab_padding=vocab_padding,
@@ -176,8 +179,9 @@ def verify_engine(
     verdicts = compare(_by_place(expected), _by_place(actual))
     verdicts = worst_first(_ranked(_unreachable(verdicts, fetched.failed, actual), expected))
     assumed = {"family": family, "tp": tp, "pp": pp, "dp": dp, "ep": ep, "heads": heads, "kv_heads": kv_heads,
-               "dtype": served or "as in the checkpoint", "vocab_padding": vocab_padding, "algo": algo}  # fmt: skip
-    return LiveReport(which, str(url).rstrip("/"), verdicts, fetched, expected, assumed)
+               "dtype": served or "as in the checkpoint", "vocab_padding": vocab_padding,
+               "algo": algo if found else f"{algo} (the engine did not answer: vLLM's checksum assumed)"}  # fmt: skip
+    return LiveReport(label, str(url).rstrip("/"), verdicts, fetched, expected, assumed)
 
 
 def _by_place(frame: pd.DataFrame) -> pd.DataFrame:

@@ -101,9 +101,12 @@ def digest_format_error(algo: object, digest: object) -> str | None:
     return None
 
 
-def _check_algo(algo: str) -> str:
+def _check_algo(algo: str, backend: str = "auto") -> str:
+    """``algo``, or a ValueError naming it (or ``backend``: checked for every algorithm, used by one)."""
     if algo not in ALGORITHMS:
         raise ValueError(f"unknown digest algorithm {algo!r}; choose one of {', '.join(ALGORITHMS)}")
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown digest backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     return algo
 
 
@@ -199,6 +202,20 @@ def parse_dtype(dtype: torch.dtype | str) -> torch.dtype:
     return found
 
 
+def whole_dims(shape: Sequence[Any], what: str) -> tuple[int, ...]:
+    """``shape`` as whole, non-negative dimensions, or a :class:`DigestError` naming the buffer (no silent ``int(4.7)``)."""
+    import numbers
+
+    try:
+        dims = tuple(shape)
+    except TypeError:
+        raise DigestError(f"{what}: shape must be a sequence of dimensions, got {shape!r}") from None
+    for d in dims:
+        if isinstance(d, bool) or not isinstance(d, numbers.Integral) or int(d) < 0:
+            raise DigestError(f"{what}: shape {list(dims)!r} has {d!r}, not a whole dimension >= 0")
+    return tuple(int(d) for d in dims)
+
+
 class TensorMeta(NamedTuple):
     """What a tensor is apart from its values: its shape and its dtype (PyTorch's name without ``torch.``).
 
@@ -216,7 +233,7 @@ class TensorMeta(NamedTuple):
     @classmethod
     def parse(cls, shape: Sequence[int], dtype: Any) -> TensorMeta:
         """From any shape sequence and a dtype (``torch.bfloat16``, ``"bfloat16"``, ``"torch.bfloat16"``), checked."""
-        return cls(tuple(int(d) for d in shape), str(parse_dtype(dtype)).removeprefix("torch."))
+        return cls(whole_dims(shape, "a tensor's metadata"), str(parse_dtype(dtype)).removeprefix("torch."))
 
     @property
     def nbytes(self) -> int:
@@ -288,7 +305,10 @@ def _numba_many(tensors: Sequence[tuple[str, torch.Tensor]], sizes: Sequence[int
         seed_of.append(row)
         if t.is_contiguous() and not (t.is_quantized or t.is_conj() or t.is_neg()):
             direct.append(i)
-            addresses.append(t.data_ptr())
+            address = t.data_ptr()
+            if address == 0 and nbytes:
+                _lanes.check_digestible(t, tensors[i][0])  # a ZeroTensor: refused by name
+            addresses.append(address)
             lanes_of.append(nbytes)
         else:
             packed.append(i)
@@ -343,7 +363,7 @@ def _sha256_of(t: torch.Tensor, name: str | None, algo: str = "sha256") -> Diges
 def digest_hex(t: torch.Tensor, *, algo: str = DEFAULT_ALGO, backend: str = "auto", name: str | None = None) -> Digest:
     """The digest of ``t`` as lowercase hex (32 characters for "nemo-rl-v3", 64 for "sha256" and "vllm-sha256",
     16 for "sglang-cpu" and "sglang-gpu": what those engines' own checkers report for the same tensor)."""
-    if _check_algo(algo) != _spec.ALGO:
+    if _check_algo(algo, backend) != _spec.ALGO:
         return _sha256_of(t, name, algo)
     return _hex_words(tensor_digest(t, backend=backend, name=name).tolist())
 
@@ -387,7 +407,7 @@ def digest_timed(
     """
     from tqdm.auto import tqdm
 
-    _check_algo(algo)
+    _check_algo(algo, backend)
     items = as_pairs(named_tensors)
     sizes: list[int] = []
     chosen: list[str] = []
@@ -395,10 +415,11 @@ def digest_timed(
     import torch
 
     strided = torch.strided
+    plain = (torch.Tensor, torch.nn.Parameter)  # anything else (DTensor, FakeTensor, ...) is checked by name
     devices: list[Any] = []
     kinds: dict[Any, str] = {}  # device -> its type ("cpu", "cuda", ...): ``device.type`` makes a new str each time
     for name, t in items:  # every input is checked before any work is done
-        if not isinstance(t, torch.Tensor) or t.layout is not strided or t.is_nested:
+        if type(t) not in plain or t.layout is not strided or t.is_nested:
             _lanes.check_digestible(t, name)  # raises, naming what is wrong
         device = t.device
         kind = kinds.get(device)
@@ -485,7 +506,7 @@ class DigestAccumulator:
     """
 
     def __init__(self, *, algo: str = DEFAULT_ALGO, backend: str = "auto") -> None:
-        self.algo = _check_algo(algo)
+        self.algo = _check_algo(algo, backend)
         self.backend = backend
         self._pending: dict[str, torch.Tensor | Digest] = {}  # device words, or a host digest
 
@@ -532,6 +553,21 @@ def _algos(side: Mapping[str, str]) -> set[str]:
     return {v.algo for v in side.values() if isinstance(v, Digest)}
 
 
+def _check_values(side: str, digests: Mapping[str, str], algo: str | None) -> None:
+    """A :class:`DigestError` naming the first entry that is not a digest (of ``algo`` where one is known):
+    two failures written the same way (``None``, ``""``, ``"error"``) must never compare equal."""
+    for name, value in digests.items():
+        if algo is not None:
+            why = digest_format_error(algo, value)
+        elif isinstance(value, str) and any(p.fullmatch(value.lower()) for _, p in DIGEST_FORMATS.values()):
+            why = None
+        else:
+            shown = value if not isinstance(value, str) or len(value) <= 80 else value[:77] + "..."
+            why = f"{shown!r} is not a digest of any algorithm wcviz knows ({', '.join(DIGEST_FORMATS)})"
+        if why is not None:
+            raise DigestError(f"{side} digest of {name!r}: {why}")
+
+
 def compare_digests(sender: Mapping[str, str], receiver: Mapping[str, str]) -> list[str]:
     """Sorted names whose digests differ, or that only one side has.
 
@@ -541,6 +577,8 @@ def compare_digests(sender: Mapping[str, str], receiver: Mapping[str, str]) -> l
     algos = _algos(sender) | _algos(receiver)
     if len(algos) > 1:
         raise AlgorithmMismatch(f"cannot compare digests of different algorithms: {', '.join(sorted(algos))}")
+    for side, digests in (("sender", sender), ("receiver", receiver)):
+        _check_values(side, digests, next(iter(algos), None))
     names = set(sender) | set(receiver)
     return sorted(
         n for n in names if n not in sender or n not in receiver or str(sender[n]).lower() != str(receiver[n]).lower()

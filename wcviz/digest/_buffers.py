@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from wcviz._errors import DigestError
 from wcviz.digest import _pool, _spec
-from wcviz.digest._api import DEFAULT_ALGO, Digest, _check_algo, _hex_words, _words, parse_dtype, resolve_backend
+from wcviz.digest._api import DEFAULT_ALGO, Digest, _check_algo, _hex_words, _words, parse_dtype, resolve_backend, whole_dims
 from wcviz.digest._sha256 import sha256_hex
 
 if TYPE_CHECKING:
@@ -26,7 +26,7 @@ __all__ = ["digest_buffer", "digest_buffers"]
 _WIDTHS = {
     "bool": 1, "uint8": 1, "int8": 1, "uint16": 2, "int16": 2, "float16": 2, "bfloat16": 2, "uint32": 4, "int32": 4,
     "float32": 4, "uint64": 8, "int64": 8, "float64": 8, "complex64": 8, "complex128": 16, "float8_e4m3fn": 1,
-    "float8_e5m2": 1, "float8_e8m0fnu": 1, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1,
+    "float8_e5m2": 1, "float8_e8m0fnu": 1, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1, "float4_e2m1fn_x2": 1,
 }  # fmt: skip
 
 
@@ -58,7 +58,9 @@ def digest_buffer(
     import numpy as np
 
     dtype_name, shape, nbytes = _checked(raw, dtype, shape, name)  # torch is imported only for a dtype name it alone knows
-    if _check_algo(algo) == "sha256":
+    if raw.strides[0] != 1 and raw.shape[0] > 1:  # a strided view: its bytes in order, in one piece
+        raw = np.ascontiguousarray(raw[:nbytes])
+    if _check_algo(algo, backend) == "sha256":
         return Digest(sha256_hex(raw.data, dtype_name, shape, nbytes), "sha256")
     if algo != _spec.ALGO:
         from wcviz.digest._engines import engine_digest
@@ -71,9 +73,14 @@ def digest_buffer(
         from wcviz.digest import _numba
 
         return _hex_words(list(_numba.lanes_digest(lanes, seed)))
+    import warnings
+
     import torch
 
-    return _hex_words(_words(torch.from_numpy(lanes.view(np.int64)), seed, chosen).tolist())
+    with warnings.catch_warnings():  # a read-only memory map: the digest only reads it, as PyTorch's warning fears not
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        lanes_t = torch.from_numpy(lanes.view(np.int64))
+    return _hex_words(_words(lanes_t, seed, chosen).tolist())
 
 
 WINDOW_BYTES = 512 << 20
@@ -105,7 +112,7 @@ def digest_buffers(
     """
     if window_bytes is not None and (isinstance(window_bytes, bool) or not isinstance(window_bytes, int) or window_bytes < 0):
         raise ValueError(f"window_bytes must be a whole number of bytes >= 0, got {window_bytes!r}")
-    if _check_algo(algo) == _spec.ALGO and resolve_backend(backend, "cpu") == "numba":
+    if _check_algo(algo, backend) == _spec.ALGO and resolve_backend(backend, "cpu") == "numba":
         return _batched(buffers, done, WINDOW_BYTES if window_bytes is None else window_bytes)
     threads = None if algo in _pool.HASHLIB_ALGOS else 1
     jobs = (
@@ -169,12 +176,15 @@ def _checked(raw: np.ndarray, dtype: torch.dtype | str, shape: Sequence[int], na
     at least that many ``uint8``."""
     import numpy as np
 
+    what = f"tensor {name!r}" if name else "buffer"
     dtype_name, itemsize = _dtype_of(dtype)
-    dims = tuple(int(d) for d in shape)
+    dims = whole_dims(shape, what)
     nbytes = _nbytes(itemsize, dims)
-    if raw.dtype != np.uint8 or raw.ndim != 1 or raw.shape[0] < nbytes:
-        what = f"tensor {name!r}" if name else "buffer"
-        raise DigestError(f"{what}: expected at least {nbytes} bytes of uint8 for {dtype_name} {list(dims)}, got {raw.shape[0]} {raw.dtype}")
+    if not isinstance(raw, np.ndarray) or raw.dtype != np.uint8 or raw.ndim != 1:
+        got = f"a {raw.ndim}-d {raw.dtype} array of shape {list(raw.shape)}" if isinstance(raw, np.ndarray) else f"a {type(raw).__name__}"
+        raise DigestError(f"{what}: expected a 1-d uint8 array of at least {nbytes} bytes for {dtype_name} {list(dims)}, got {got}")
+    if raw.shape[0] < nbytes:
+        raise DigestError(f"{what}: expected at least {nbytes} bytes of uint8 for {dtype_name} {list(dims)}, got {raw.shape[0]}")
     return dtype_name, dims, nbytes
 
 
@@ -184,7 +194,8 @@ def _lanes(raw: np.ndarray, nbytes: int) -> np.ndarray:
     import numpy as np
 
     padded = (nbytes + 7) // 8 * 8
-    if raw.shape[0] >= padded and raw.ctypes.data % 8 == 0 and not raw[nbytes:padded].any():
+    contiguous = raw.strides[0] == 1 or raw.shape[0] <= 1  # a strided view (``raw[::2]``) is read through a copy
+    if contiguous and raw.shape[0] >= padded and raw.ctypes.data % 8 == 0 and not raw[nbytes:padded].any():
         return raw[:padded].view(np.uint64)
     buf = np.zeros(padded, dtype=np.uint8)
     buf[:nbytes] = raw[:nbytes]

@@ -188,7 +188,11 @@ def _sglang_gpu_host(raw: np.ndarray) -> int:
     if n == 0:
         return 0
     out = np.empty((n + TILE - 1) // TILE, dtype=np.uint64)
-    _numba_tiles()(words, out)
+    from wcviz.digest._numba import _LOCK  # one parallel kernel at a time: numba's workqueue layer aborts otherwise
+
+    kernel = _numba_tiles()
+    with _LOCK:
+        kernel(words, out)
     return _final64(int(out.sum(dtype=np.uint64)))
 
 

@@ -18,9 +18,12 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import math
 from collections.abc import Sequence
 
+from wcviz._errors import DigestError
 from wcviz.digest import _spec
+from wcviz.digest._api import parse_dtype, whole_dims
 from wcviz.digest._spec import CHAIN, CHUNK, LT, MASK64, MUL, RT, chunk_width
 
 __all__ = ["FILL_ALGORITHMS", "fill_digest"]
@@ -131,6 +134,20 @@ def _sha256(dtype_name: str, shape: tuple[int, ...], nbytes: int, byte: int) -> 
     return h.hexdigest()
 
 
+def _width(name: str) -> int | None:
+    """Bytes per element of ``torch.<name>``, or None for a name this PyTorch does not know (its digest can
+    still be computed: the seeds take the name as written, and the byte count stands alone)."""
+    from wcviz.digest._buffers import _WIDTHS
+
+    bare = name.removeprefix("torch.")
+    if bare in _WIDTHS:
+        return _WIDTHS[bare]
+    try:
+        return int(parse_dtype(bare).itemsize)
+    except DigestError:
+        return None
+
+
 def fill_digest(algo: str, dtype_name: str, shape: Sequence[int], nbytes: int, byte: int) -> str:
     """The hex digest, under ``algo``, of a tensor of ``dtype_name`` and ``shape`` whose every byte is ``byte``.
 
@@ -144,7 +161,10 @@ def fill_digest(algo: str, dtype_name: str, shape: Sequence[int], nbytes: int, b
     if nbytes < 0:
         raise ValueError(f"nbytes must be >= 0, got {nbytes}")
     name = dtype_name if dtype_name.startswith("torch.") else f"torch.{dtype_name}"
-    dims = tuple(int(d) for d in shape)
+    dims = whole_dims(shape, f"a filled {name}")
+    width = _width(name)
+    if width is not None and int(nbytes) != math.prod(dims) * width:
+        raise ValueError(f"nbytes {nbytes} contradicts {name} {list(dims)} ({math.prod(dims) * width} bytes)")
     if algo == _spec.ALGO:
         return _nemo(name, dims, int(nbytes), int(byte))
     if algo == "sha256":

@@ -42,6 +42,33 @@ def check_digestible(t: object, name: str | None = None) -> None:
         )
     if t.device.type == "meta":
         raise DigestError(f"{_label(name)} is on the meta device: it holds no data to digest")
+    kind = type(t)
+    if kind is not torch.Tensor and kind is not torch.nn.Parameter:
+        _check_subclass(t, kind, name)
+    if t._is_zerotensor():
+        raise DigestError(
+            f"{_label(name)} is a ZeroTensor (autograd's all-zero placeholder, with no storage); "
+            "digest torch.zeros(t.shape, dtype=t.dtype) if its zeros are what you mean"
+        )
+
+
+def _check_subclass(t: torch.Tensor, kind: type, name: str | None) -> None:
+    """Refuse a tensor subclass whose bytes are not its own storage: a wrapper that dispatches every op
+    itself (DTensor, FakeTensor, FunctionalTensor, quantized-weight wrappers) or a lazy module's
+    uninitialized parameter. A subclass that only adds Python behaviour over real storage is digested."""
+    import torch
+
+    if isinstance(t, torch.nn.parameter.UninitializedTensorMixin):  # type: ignore[attr-defined]
+        raise DigestError(f"{_label(name)} is an uninitialized parameter of a lazy module: run the module once first")
+    if getattr(kind, "__torch_dispatch__", None) is getattr(torch.Tensor, "__torch_dispatch__", None):
+        return
+    hint = ": digest a plain tensor of the value you mean (unwrap it, or dequantize it)"
+    if kind.__name__ == "DTensor":
+        hint = ": digest t.to_local() for this rank's shard, or t.full_tensor() for the whole parameter"
+    raise DigestError(
+        f"{_label(name)} is a {kind.__module__}.{kind.__qualname__}, a tensor subclass whose bytes are not "
+        f"its own storage{hint}"
+    )
 
 
 def seed_args(t: torch.Tensor) -> tuple[str, tuple[int, ...], int]:

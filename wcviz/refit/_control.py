@@ -16,6 +16,7 @@ import math
 import os
 import stat
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import zmq
@@ -116,7 +117,23 @@ def checked_digests(value: Any, address: str) -> dict[str, str] | None:
         return None
     if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
         raise RefitProtocolError(f"the receiver at {address} sent digests that are not {{name: hex}}: {str(value)[:200]}")
+    why = malformed_digest(value)
+    if why is not None:
+        raise RefitProtocolError(f"the receiver at {address} sent {why}")
     return value
+
+
+def malformed_digest(digests: Mapping[str, str], algo: str | None = None) -> str | None:
+    """What is wrong with the first value of a receiver's ``{name: hex}`` that is not a digest of ``algo``
+    (default: the refit's, "nemo-rl-v3"), or None."""
+    from wcviz.digest import DEFAULT_ALGO, digest_format_error
+
+    algo = DEFAULT_ALGO if algo is None else algo
+    for name, value in digests.items():
+        why = digest_format_error(algo, value)
+        if why is not None:
+            return f"a digest for {name!r} that is not one: {why}"
+    return None
 
 
 class ControlSocket:

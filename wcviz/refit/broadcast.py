@@ -83,6 +83,7 @@ import torch
 import torch.distributed as dist
 
 from wcviz.digest import DEFAULT_ALGO, DigestAccumulator, logical_bytes
+from wcviz.refit._control import malformed_digest
 from wcviz.refit._group import GroupMember, group_ranks
 from wcviz.refit._packing import ALIGN, Meta, NamedTensors, fingerprint, metadata_of, pack, plan, unpack, walk
 from wcviz.refit._packing import metadata as declared_metadata
@@ -207,9 +208,12 @@ def _expected_per_rank(
     return {rank: names & set(meta) for rank, meta in metadata.items()}
 
 
-def _received(rank: int, digests: Any) -> Mapping[str, str]:
+def _received(rank: int, digests: Any, algo: str) -> Mapping[str, str]:
     if not isinstance(digests, Mapping) or not all(isinstance(n, str) and isinstance(d, str) for n, d in digests.items()):
         raise RefitProtocolError(f"refit broadcast: rank {rank} sent digests that are not {{name: hex}}: {str(digests)[:200]}")
+    why = malformed_digest(digests, algo)
+    if why is not None:
+        raise RefitProtocolError(f"refit broadcast: rank {rank} sent {why}")
     return digests
 
 
@@ -405,7 +409,7 @@ class BroadcastSender(GroupMember):
                 rank: compare(
                     self.mode,
                     digests,
-                    _received(rank, report["digests"]),
+                    _received(rank, report["digests"], self.algo),
                     nbytes=nbytes,
                     expected=want[rank],
                     declared=len((self.metadata or {}).get(rank, {})),

@@ -35,7 +35,12 @@ The table on ``dst``:
   two ranks (two members claiming one identity) or twice on one rank is a
   :class:`~wcviz.TableError` naming the global ranks that sent it. ``role`` is
   part of the key because ``rank`` counts within a role's world: trainer rank 0
-  and engine rank 0 may share one process group.
+  and engine rank 0 may share one process group;
+* within a role, each rank number has one set of coordinates: rank 0 at pp 0 and
+  rank 0 at pp 1 (a TP x PP job numbering its processes by TP rank) is a
+  :class:`~wcviz.TableError` naming the global ranks that sent them, by the rule
+  that :func:`wcviz.compare` and the end-state check apply
+  (:func:`wcviz.frame.check_identities`).
 
 Errors, raised on every member alike: :class:`~wcviz.TableError` for a bad frame
 or a duplicate key, :class:`~wcviz.DigestError` when a member's tensors cannot
@@ -62,7 +67,7 @@ import pandas as pd
 
 from wcviz._errors import AlgorithmMismatch, CheckpointError, DigestError, GatherError, TableError, WcvizError
 from wcviz.digest import DEFAULT_ALGO
-from wcviz.frame import IDENTITY, empty_frame, validate
+from wcviz.frame import IDENTITY, empty_frame, identity_clash, validate
 from wcviz.sources._tensors import from_named_tensors
 
 if TYPE_CHECKING:
@@ -237,6 +242,7 @@ def _combine(gathered: Sequence[Any], ranks: Sequence[int]) -> pd.DataFrame:
     combined = pd.concat(non_empty, ignore_index=True)
     _check_one_sender(combined)
     _check_unique(combined)
+    _check_identities(combined)
     combined = combined.sort_values([*_ORDER, _SRC], kind="stable", na_position="last")
     return validate(combined.drop(columns=[_SRC]).reset_index(drop=True), source="gathered frames")
 
@@ -278,6 +284,22 @@ def _check_unique(frame: pd.DataFrame) -> None:
         + "; ".join(lines[:_SHOWN])
         + more
     )
+
+
+def _check_identities(frame: pd.DataFrame) -> None:
+    """A TableError where, within a role, one rank number comes with two identities
+    (:func:`wcviz.frame.identity_clash`, the rule compare and the end-state check apply),
+    naming the global ranks that sent the rows."""
+
+    def senders(labels: Sequence[Any]) -> str:
+        members = sorted({int(frame.at[i, _SRC]) for i in labels})
+        return f"the rows of global rank{'s' if len(members) > 1 else ''} " + " and ".join(map(str, members))
+
+    for role, rows in frame.groupby("role", dropna=False, sort=False):
+        why = identity_clash(rows, senders)
+        if why is not None:
+            whose = "the rows without a role" if pd.isna(role) else f"the {role} rows"
+            raise TableError(f"gather_frame: {whose}: {why}; give each process its own rank number and coordinates")
 
 
 def gather_frame(

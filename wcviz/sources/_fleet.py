@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import pandas as pd
 
 from wcviz._errors import TableError
-from wcviz.frame import IDENTITY, make_frame, validate
+from wcviz.frame import IDENTITY, coordinate_problem, make_frame, validate
 from wcviz.sources._wire import RankTable, frame_of_tables
 
 if TYPE_CHECKING:
@@ -48,6 +48,7 @@ __all__ = [
     "assemble_tables",
     "check_expected",
     "checked_url",
+    "count_mismatch",
     "empty_reason",
     "identity_of",
     "key_of",
@@ -176,8 +177,8 @@ def identity_of(info: Any, what: str) -> dict[str, Any]:
         if info.get(k) is not None and not _is_int(info[k]):
             raise Failed(f"{what} has a non-integer {k}: {info[k]!r}")
     for k in IDENTITY:
-        if info.get(k) is not None and not 0 <= info[k] < 2**63:
-            raise Failed(f"{what} has {k}={info[k]!r}, not a coordinate (0 <= {k} < 2**63)")
+        if info.get(k) is not None and (why := coordinate_problem(k, info[k])) is not None:
+            raise Failed(f"{what} has {k}={info[k]!r}, {why}")
     return {k: info.get(k) for k in _IDENTITY_FIELDS}
 
 
@@ -213,6 +214,17 @@ def rows_frame(rows: Any, ident: Mapping[str, Any], label: str, what: str) -> pd
             raise Failed(f"{what} rows claim {k}={col[wrong].iloc[0]!r} but the rank's info says {k}={want!r}")
     frame["url"] = label
     return frame
+
+
+def count_mismatch(
+    info: Mapping[str, Any] | None, rows: int, filtered: bool, counted_by: str, answered_by: str
+) -> str | None:
+    """Why a rank's answer cannot be all it holds (its info counts ``params`` parameters, the answer gave another
+    number of rows: lost or added on the way), or None. Rows a name filter chose (``filtered``) are not counted."""
+    params = info.get("params") if isinstance(info, Mapping) else None
+    if filtered or not _is_int(params) or params == rows:
+        return None
+    return f"{counted_by} counts {params} parameters but {answered_by} gave {rows} rows"
 
 
 def empty_reason(info: Mapping[str, Any] | None, rows: int, filtered: bool) -> str | None:

@@ -38,6 +38,7 @@ from wcviz.sources._fleet import (
     KEY,
     assemble_tables,
     check_expected,
+    count_mismatch,
     empty_reason,
     identity_of,
     kind_of,
@@ -102,8 +103,8 @@ async def _fetch_one(
     wrong = wrong_identity(table, ident, KEY)
     if wrong is not None:
         raise Failed(f"/v1/digests rows claim {wrong[0]}={wrong[1]!r} but the rank's info says {wrong[0]}={ident.get(wrong[0])!r}")
-    if name is None and isinstance(info.get("params"), int) and table.count != info["params"]:
-        raise Failed(f"/v1/info counts {info['params']} parameters but /v1/digests gave {table.count} rows")
+    if (why := count_mismatch(info, table.count, name is not None, "/v1/info", "/v1/digests")) is not None:
+        raise Failed(why)
     if (why := empty_reason(info, table.count, name is not None)) is not None:
         raise Empty(why)
     return url, ident, info, table

@@ -8,8 +8,10 @@ answers (a Ray actor class may mix it in), a list of row dicts, or a DataFrame.
 
 Every result is collected with ``ray.get(..., timeout=...)``; a result that was not
 collected is a row of :attr:`FetchResult.failed`, never a pass: ``unreachable`` for an
-actor that died or did not answer in time, ``failed`` for a method that raised or
-answered something that is not a digest table. Identity comes from each actor's own
+actor that died or did not answer in time, ``failed`` for a method that raised,
+answered something that is not a digest table, or gave another number of rows than its
+info counts (``params``; unless a ``name`` or ``name_regex`` that is not None chose them,
+as the HTTP and vLLM sources do). Identity comes from each actor's own
 info and rows, never from the order of ``actors``; give ``actors`` as a mapping
 ``{handle: {"role": ..., "rank": ..., ...}}`` to have an actor that is already dead
 reported under the identity it should have had (and to catch an actor that claims
@@ -32,6 +34,7 @@ from wcviz.sources._fleet import (
     assemble,
     check_expected,
     checked_expected,
+    count_mismatch,
     identity_of,
     key_of,
     rows_frame,
@@ -178,6 +181,7 @@ def from_ray_actors(
             asking.append((actor, known))
 
     outcomes = _gather(ray, _submit(asking, method, kwargs), timeout_s)
+    filtered = any(kwargs.get(k) is not None for k in ("name", "name_regex"))  # a filter of None filters nothing
     collected = []
     for actor, known in asking:
         label = _label(actor)
@@ -187,12 +191,14 @@ def from_ray_actors(
             if kind != "ok":
                 raise Failed(f"{method}: {value}")
             info, rows = infos.get(label), value
+            counted = info  # the info that counts what this answer must hold: the answer's own, when it counts
             if isinstance(value, dict):
                 if isinstance(value.get("info"), dict):
                     claimed = identity_of(value["info"], method)
                     if info is not None and key_of(claimed) != key_of(ident):
                         raise Failed(f"{method} answered as rank {key_of(claimed)} but {info_method} said {key_of(ident)}")
                     ident, info = claimed, info or dict(value["info"])
+                    counted = value["info"] if "params" in value["info"] else counted
                 if "error" in value:
                     raise Failed(f"{method} failed on this actor: {value['error']}")
                 rows = value.get("rows")
@@ -200,7 +206,10 @@ def from_ray_actors(
                 ident = _identity_from_rows(_table(rows, method))
                 info = dict(ident)
             _check_expected(ident, known)
-            collected.append((label, ident, info, rows_frame(rows, ident, label, method)))
+            frame = rows_frame(rows, ident, label, method)
+            if (why := count_mismatch(counted, len(frame), filtered, "the actor", method)) is not None:
+                raise Failed(why)
+            collected.append((label, ident, info, frame))
         except Failed as e:
             failed.append({"url": label, "kind": kind if kind != "ok" else "failed", "error": str(e), **ident})
-    return assemble(collected, failed, filtered=any(k in kwargs for k in ("name", "name_regex")))
+    return assemble(collected, failed, filtered=filtered)

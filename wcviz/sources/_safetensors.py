@@ -51,13 +51,20 @@ DTYPES: dict[str, str] = {
     "F8_E4M3": "float8_e4m3fn",
     "F8_E5M2": "float8_e5m2",
     "F8_E8M0": "float8_e8m0fnu",
+    "F8_E4M3FNUZ": "float8_e4m3fnuz",
+    "F8_E5M2FNUZ": "float8_e5m2fnuz",
+    "F4": "float4_e2m1fn_x2",
 }
-# bytes per element of each code: the header alone says how long each tensor is (no torch needed to read it)
+# bytes per PyTorch element of each code: the header alone says how long each tensor is (no torch needed to read it)
 ITEMSIZE: dict[str, int] = {
     "BOOL": 1, "U8": 1, "I8": 1, "U16": 2, "I16": 2, "F16": 2, "BF16": 2, "U32": 4, "I32": 4, "F32": 4,
-    "U64": 8, "I64": 8, "F64": 8, "C64": 8, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
+    "U64": 8, "I64": 8, "F64": 8, "C64": 8, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "F8_E4M3FNUZ": 1,
+    "F8_E5M2FNUZ": 1, "F4": 1,
 }  # fmt: skip
 assert set(ITEMSIZE) == set(DTYPES)
+# codes whose header shape counts sub-byte values, several to one PyTorch element: safetensors writes
+# float4_e2m1fn_x2 [2, 3] (pairs of 4-bit values) as F4 [2, 6], and reads it back with the last dimension halved
+PACKED: dict[str, int] = {"F4": 2}
 _MAX_HEADER = 100 * 1024 * 1024  # the format's own limit
 MAX_DIMS = 64  # no real tensor has more; a header that claims 100,000 is refused, not digested
 _MAX_DIM = (1 << 63) - 1  # a dimension must fit int64, as in PyTorch and in the digest's metadata
@@ -158,6 +165,8 @@ def _check_coverage(path: Path, entries: list[TensorEntry], data_start: int, dat
 
 def _entry(path: Path, name: str, spec: Any, data_start: int, data_size: int) -> TensorEntry:
     where = f"{path}: tensor {name!r}"
+    if not name:
+        raise CheckpointError(f"{path}: a tensor has an empty name; wcviz names every parameter in its tables")
     if not isinstance(spec, dict) or not {"dtype", "shape", "data_offsets"} <= set(spec):
         raise CheckpointError(f"{where}: header entry needs dtype, shape and data_offsets, got {spec!r:.120}")
     code = spec["dtype"]
@@ -174,11 +183,20 @@ def _entry(path: Path, name: str, spec: Any, data_start: int, data_size: int) ->
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)):
         raise CheckpointError(f"{where}: data_offsets {str(offsets)[:120]} is not [begin, end]")
     begin, end = offsets
+    written = list(shape)  # as the header says it, for the messages
+    per = PACKED.get(code, 1)
+    if per > 1:
+        if not shape or shape[-1] % per:
+            raise CheckpointError(
+                f"{where}: {code} {shape}: PyTorch's {DTYPES[code]} holds {per} values per element, so the last "
+                f"dimension must be a multiple of {per}"
+            )
+        shape = [*shape[:-1], shape[-1] // per]  # the shape the tensor has in PyTorch, which the digest hashes
     nbytes = math.prod(shape) * ITEMSIZE[code]
     if not 0 <= begin <= end:
         raise CheckpointError(f"{where}: header lies: data_offsets {offsets} are not increasing")
     if end - begin != nbytes:
-        raise CheckpointError(f"{where}: header lies: {code} {shape} is {nbytes} bytes but data_offsets {offsets} span {end - begin}")
+        raise CheckpointError(f"{where}: header lies: {code} {written} is {nbytes} bytes but data_offsets {offsets} span {end - begin}")
     if end > data_size:
         raise CheckpointError(f"{where}: truncated or header lies: data ends at byte {end} but the file holds {data_size} bytes of data")
     return TensorEntry(name, path, DTYPES[code], tuple(shape), data_start + begin, nbytes)

@@ -41,7 +41,16 @@ from wcviz._errors import WcvizError
 from wcviz._text import one_line
 from wcviz.digest import DEFAULT_ALGO
 from wcviz.frame import IDENTITY
-from wcviz.sources._fleet import Failed, FetchResult, assemble, identity_of, key_of, message_of, rows_frame
+from wcviz.sources._fleet import (
+    Failed,
+    FetchResult,
+    assemble,
+    count_mismatch,
+    identity_of,
+    key_of,
+    message_of,
+    rows_frame,
+)
 
 __all__ = ["EngineEndpointError", "from_vllm_http", "from_vllm_llm", "vllm_collective_rpc"]
 
@@ -255,9 +264,9 @@ def _collect(call: Call, where: str, kwargs: dict[str, str], name: str | None, c
             if "error" in res:
                 raise Failed(f"wcviz_digests failed on this worker: {res['error']}")
             frame = rows_frame(res.get("rows"), ident, label, "wcviz_digests")
-            params = res["info"].get("params")
-            if name is None and isinstance(params, int) and len(frame) != params:
-                raise Failed(f"the worker counts {params} parameters but wcviz_digests gave {len(frame)} rows")
+            why = count_mismatch(res["info"], len(frame), name is not None, "the worker", "wcviz_digests")
+            if why is not None:
+                raise Failed(why)
             collected.append((label, ident, res["info"], frame))
         except Failed as e:
             failed.append({"url": label, "kind": "failed", "error": str(e), **ident})
