@@ -216,6 +216,10 @@ def _scenarios() -> list[dict[str, Any]]:
             "verify": "log",
             "faults": FaultPlan((Fault("swap_params", "sender_after_digest", (Q, K)),)),
         },
+        # input send() refuses before a byte moves, while the engines already wait in the stream's barrier
+        {"name": "refused duplicate", "verify": "enforce", "refused": "duplicate"},
+        {"name": "refused not a tensor", "verify": "log", "refused": "not a tensor"},
+        {"name": "refused expected", "verify": "enforce", "send_kwargs": {"expected": [NORM, "model.unknown.weight"]}},
         {"name": "dead before stream", "verify": "log", "dead": 2, "barrier_timeout_s": DEAD_TIMEOUT_S},
         # rank 1 reaches this barrier up to GROUP_TIMEOUT_S after rank 0 (it waited out the scenario before), so
         # the barrier waits longer; the stream's collectives run under the small group's SUB_TIMEOUT_S
@@ -275,6 +279,13 @@ def _error(e: BaseException) -> dict[str, Any]:
     return {"type": type(e).__name__, "mro": [c.__name__ for c in type(e).__mro__], "message": str(e)}
 
 
+def _refused(kind: str, weights: dict[str, torch.Tensor]) -> list[tuple[str, Any]]:
+    """The trainer's weights as pairs send() refuses: layernorm's name twice, or the scale as a Python float."""
+    if kind == "duplicate":
+        return [*weights.items(), (LN, weights[LN])]
+    return [(n, t.item() if n == SCALE else t) for n, t in weights.items()]
+
+
 def _run_sender(sc: dict[str, Any], group: Any, warnings: list[str]) -> dict[str, Any]:
     from wcviz.refit.broadcast import BroadcastDigestMismatch, BroadcastSender
 
@@ -293,7 +304,8 @@ def _run_sender(sc: dict[str, Any], group: Any, warnings: list[str]) -> dict[str
     if "send" in sc:
         weights = {n: weights[n] for n in sc["send"]}
     try:
-        result = sender.send(weights, **sc.get("send_kwargs", {}))
+        items = _refused(sc["refused"], weights) if "refused" in sc else weights
+        result = sender.send(items, **sc.get("send_kwargs", {}))
     except BroadcastDigestMismatch as e:
         record["error"] = _error(e)
         result = e.broadcast
@@ -651,6 +663,33 @@ def test_a_failing_sender_aborts_the_stream_on_every_engine(world):
     assert "error" in rec(world, "dead before stream", 0)
 
 
+@pytest.mark.parametrize(
+    "name, error, reason",
+    [
+        ("refused duplicate", "BroadcastDuplicateNames", f"duplicate parameter names: {LN}"),
+        ("refused not a tensor", "TypeError", f"expected (str, torch.Tensor) pairs, got ({SCALE!r}, float)"),
+        ("refused expected", "ValueError", "expected names the receiver does not declare: model.unknown.weight"),
+    ],
+)
+def test_input_the_sender_refuses_aborts_every_engine_at_once(world, name, error, reason):
+    # the engines wait in the stream's barrier: the trainer must still open it and tell them why, not leave them
+    # to wait out the group's timeout and report a dead peer
+    sent = rec(world, name, 0)
+    assert sent["error"]["type"] == error and reason in sent["error"]["message"], sent.get("error")
+    assert sent["elapsed"] < GROUP_TIMEOUT_S / 3 and not sent["warnings"]
+    if error == "BroadcastDuplicateNames":  # a RefitError for a trainer that catches those, still a DigestError
+        assert {"RefitError", "DigestError"} <= set(sent["error"]["mro"])
+    untouched = {n: raw(t) for n, t in TinyLlama().weights().items()}
+    for rank in ENGINES:
+        got = rec(world, name, rank)
+        assert got["error"]["type"] == "RefitProtocolError", got.get("error")
+        message = got["error"]["message"]
+        assert "the sender aborted the stream" in message and "refused its own input" in message, message
+        assert f"{error}: {reason}" in message and "peer is dead" not in message
+        assert got["elapsed"] < GROUP_TIMEOUT_S / 3, f"rank {rank} waited {got['elapsed']:.1f}s"
+        assert got["state"] == untouched and got["gathered"] == []  # nothing loaded, no report
+
+
 def test_a_peer_dead_before_the_stream_is_named_within_the_timeout(world):
     assert rec(world, "dead before stream", 2) == {"died": True}
     sent = rec(world, "dead before stream", 0)
@@ -688,6 +727,24 @@ def test_construction_checks():
     assert BroadcastSender.supports_verify and BroadcastReceiver.supports_verify
     assert Fault("flip_bit", "wire", (Q,), ranks=[2]).ranks == (2,)  # type: ignore[arg-type]
     assert Fault("flip_bit", "wire", (Q,)).ranks == ()
+
+
+def test_a_name_given_twice_is_a_refit_error_and_still_a_digest_error():
+    from wcviz import DigestError
+    from wcviz.refit import RefitError
+    from wcviz.refit.broadcast import BroadcastDuplicateNames, BroadcastSender
+
+    sender = BroadcastSender(verify="enforce")
+    sender.metadata = {1: {}}
+    notices: list[Any] = []
+    sender._barrier = lambda step: None  # type: ignore[method-assign]
+    sender._broadcast_object = lambda step, obj=None: notices.append((step, obj))  # type: ignore[method-assign]
+    w = torch.ones(2)
+    with pytest.raises(BroadcastDuplicateNames, match="^duplicate parameter names: a, b$") as info:
+        sender.send([("a", w), ("b", w), ("a", w), ("b", w)])
+    assert isinstance(info.value, RefitError) and isinstance(info.value, DigestError)
+    why = "the trainer refused its own input, nothing was sent: BroadcastDuplicateNames: duplicate parameter names: a, b"
+    assert notices == [("the abort notice", {"kind": "abort", "error": why})]
 
 
 def test_shift_and_swap_helpers():

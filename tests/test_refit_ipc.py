@@ -1271,3 +1271,76 @@ def test_a_ctrl_c_inside_load_weights_leaves_a_receiver_that_serves_again() -> N
             assert sender.send(w).ok
             thread.join(20)
     assert [type(e) for e in out["errors"]] == [KeyboardInterrupt]
+
+
+_KEEPS_VIEWS = """
+import sys, threading, torch
+from wcviz.refit.ipc import IPCReceiver, IPCSender
+from wcviz.refit.verify import RefitProtocolError
+w = {f"w{i}": torch.full((300,), float(i)) for i in range(8)}
+meta = {n: (list(t.shape), "float32") for n, t in w.items()}
+kept = {}
+def load_weights(batch):
+    for n, t in batch:
+        kept[n] = t  # a zero-copy loader: keeps the views it was handed, against the contract
+with IPCSender(verify="enforce", buffer_bytes=4096, timeout_s=20) as s:
+    r = IPCReceiver(s.address, meta, load_weights, verify="enforce", timeout_s=20)
+    errors = []
+    def serve():
+        try:
+            r.serve()
+        except RefitProtocolError as e:
+            errors.append(e)
+    th = threading.Thread(target=serve)
+    th.start()
+    try:
+        s.send(w)
+        print("SENT AS VERIFIED")
+    except RefitProtocolError as e:
+        print("SENDER:", e)
+    th.join(30)
+    r.close()
+print("RECEIVER:", errors[0] if errors else None)
+print("READ:", [float(t.sum()) for t in kept.values()])  # the engine goes on using its weights
+"""
+
+
+def test_a_loader_that_keeps_its_views_is_refused_and_never_crashes_the_engine() -> None:
+    """The views ``load_weights`` gets live in a staging buffer the sender reuses. A loader that kept them was
+    "verified" while its held views changed under it (a q shard then read v's bytes), and once the receiver let
+    go of the buffer the next read of a kept weight killed the engine with SIGSEGV (the segment was unmapped)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _KEEPS_VIEWS], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])  # -11 was the segfault
+    out = done.stdout
+    assert "SENT AS VERIFIED" not in out
+    assert "SENDER:" in out and "load_weights kept views of the staging buffer" in out and "w0" in out
+    assert "RECEIVER:" in out and "copy what you keep" in out.split("RECEIVER:")[1]
+    assert "READ:" in out  # the kept views still read memory that is mapped
+
+
+def test_a_staging_buffer_is_backed_when_created_or_refused_naming_dev_shm(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sparse segment larger than /dev/shm's free space (64 MiB in a default Docker container) killed the
+    trainer with SIGBUS at the first write past the end, and left the segment behind."""
+    import errno
+
+    from wcviz.refit import _shm
+    from wcviz.refit.verify import RefitError
+
+    buf = _shm.OwnedBuffer(1 << 20, torch.device("cpu"))
+    try:
+        assert buf._shm is not None
+        assert os.fstat(buf._shm._fd).st_blocks * 512 >= 1 << 20  # every page reserved now, not at first write
+    finally:
+        buf.close()
+
+    def full(fd: int, offset: int, size: int) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    before = set(shm_leftovers())
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with pytest.raises(RefitError, match=r"cannot reserve a 1,048,576-byte refit staging buffer .*/dev/shm has .* free"):
+        _shm.OwnedBuffer(1 << 20, torch.device("cpu"))
+    assert set(shm_leftovers()) == before  # the segment it could not back is gone

@@ -9,9 +9,12 @@ installed in the engine: it catches what an end-state check cannot, the persiste
 bugs - a loader that always takes the wrong TP shard, a replica still serving an old
 step - in production.
 
-Ranks are matched by ``dp``, ``pp``, ``tp`` and the name (a rank's place in the
-topology is what both sides state; the verdicts' ``rank`` is then the layout's,
-vLLM's global numbering).
+The expected shards are cut as the engine that answers lays them out
+(``expected_frame(engine=...)``: vLLM's or SGLang's stage split, vocabulary padding,
+FusedMoE and model classes), and its served dtype is what that engine makes of
+``--dtype auto``. Ranks are matched by ``dp``, ``pp``, ``tp`` and the name (a rank's
+place in the topology is what both sides state; the verdicts' ``rank`` is then the
+layout's, vLLM's global numbering).
 A rank that did not answer is ``unreachable`` - its expected rows are not ``missing``,
 nothing about them is known - and SGLang's draft-model rows are left out (a trainer's
 checkpoint is the target model's).
@@ -81,14 +84,70 @@ def checkpoint_config(path: str | Path) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
-def _engine_dtype(config: Mapping[str, Any], dtype: str | None) -> str | None:
-    """What the engine serves: ``dtype`` as given, or with ``auto`` vLLM's rule (config ``torch_dtype``; float32 -> bfloat16)."""
+_CONFIG_DTYPES = {"half": "float16", "float16": "float16", "float": "float32", "float32": "float32", "bfloat16": "bfloat16"}
+
+
+def _engine_dtype(
+    config: Mapping[str, Any], dtype: str | None, engine: str = "vllm", checkpoint: Any = None
+) -> str | None:
+    """What the engine serves: ``dtype`` as given, or what ``auto`` resolves to in ``engine``.
+
+    vLLM (``transformers_utils/model_arch_config_convertor.py:201-239``, then
+    ``config/model.py:2423-2464``): config.json's dtype, else the common dtype of the
+    checkpoint's tensors, else float32; float32, or a dtype the GPU lacks, is served
+    as bfloat16 - on an Ampere-or-newer GPU. Before Ampere vLLM serves float16
+    instead, which wcviz cannot see from here: give ``dtype`` there. SGLang
+    (``configs/model_config.py:2284-2321``): config.json's dtype; float32, or none,
+    is served as float16. With no config.json at hand (``config`` empty: a state
+    dict), the checkpoint's tensors stand in for the engine's config dtype.
+    """
     if dtype not in (None, "auto"):
         return dtype
+    if engine == "sglang":
+        said = config.get("dtype") or config.get("torch_dtype")
+        if not config and checkpoint is not None:
+            said = _common_dtype(_tensor_dtypes(checkpoint))
+        said = _CONFIG_DTYPES.get(said) if isinstance(said, str) else None
+        return "float16" if said in (None, "float32") else said
     said = config.get("torch_dtype") or config.get("dtype")
-    if not isinstance(said, str):
+    if isinstance(said, str):
+        said = _CONFIG_DTYPES.get(said, said)
+    elif checkpoint is not None:
+        said = _common_dtype(_tensor_dtypes(checkpoint))
+    return said if said in ("bfloat16", "float16") else "bfloat16"  # supported_dtypes[0] on sm >= 80: bfloat16
+
+
+def _tensor_dtypes(checkpoint: Any) -> set[Any]:
+    """The torch dtypes of a state dict's tensors, or of a safetensors checkpoint's (read off the headers)."""
+    import torch
+
+    if isinstance(checkpoint, Mapping):
+        return {t.dtype for t in checkpoint.values() if isinstance(t, torch.Tensor)}
+    from wcviz.sources import checkpoint_files, read_header
+
+    names = {e.dtype for f in checkpoint_files(checkpoint) for e in read_header(f)}
+    found = {getattr(torch, n, None) for n in names}
+    return {d for d in found if isinstance(d, torch.dtype)}
+
+
+def _common_dtype(dtypes: set[Any]) -> str | None:
+    """vLLM's ``common_broadcastable_dtype`` (``utils/torch_utils.py:352-396``): the dtype the most others cast
+    to without loss; None for no dtypes."""
+    import torch
+
+    def level(d: torch.dtype) -> int:  # bool 0, int 1, float 2, complex 3
+        return int(d != torch.bool) + int(d.is_floating_point) + 2 * int(d.is_complex)
+
+    def lossless(src: torch.dtype, tgt: torch.dtype) -> bool:
+        if src == tgt or level(src) != level(tgt):
+            return src == tgt or level(src) < level(tgt)
+        s, t = (torch.iinfo(src), torch.iinfo(tgt)) if level(src) == 1 else (torch.finfo(src), torch.finfo(tgt))
+        return s.min >= t.min and s.max <= t.max and (level(src) == 1 or s.resolution >= t.resolution)  # type: ignore[union-attr]
+
+    if not dtypes:
         return None
-    return "bfloat16" if said in ("float32", "float") else said
+    best = max(sorted(dtypes, key=str), key=lambda d: sum(lossless(x, d) for x in dtypes))
+    return str(best).removeprefix("torch.")
 
 
 def _which_engine(url: str, net: Mapping[str, Any]) -> str | None:
@@ -131,8 +190,10 @@ def verify_engine(
     ``checkpoint``: a safetensors file or directory (its ``config.json`` gives ``family``,
     ``heads``, ``kv_heads``, ``tie_embeddings`` and the served ``dtype`` unless given) or
     a state dict. ``engine``: ``vllm`` (its ``/weight_checker``, dev mode), ``sglang``
-    (``/weights_checker``, ``token`` = its admin key) or ``auto``. ``layout``: more
-    options of :func:`wcviz.layouts.expected_frame`. Read-only.
+    (``/weights_checker``, ``token`` = its admin key) or ``auto``; the expected shards are
+    cut as that engine lays them out. ``dtype="auto"`` is what that engine serves for
+    ``--dtype auto`` (:func:`_engine_dtype`; on a vLLM older than Ampere GPUs give it).
+    ``layout``: more options of :func:`wcviz.layouts.expected_frame`. Read-only.
     """
     import torch
 
@@ -157,17 +218,17 @@ def verify_engine(
         raise WcvizError("the checkpoint has no config.json with num_attention_heads: give heads= (and kv_heads=)")
     if tie_embeddings is None and isinstance(config.get("tie_word_embeddings"), bool):
         tie_embeddings = config["tie_word_embeddings"]
-    served = _engine_dtype(config, dtype)
     dtypes = {n: v for n, v in vars(torch).items() if isinstance(v, torch.dtype)}  # no getattr: no torch warnings
-    if served and served not in dtypes:
-        raise WcvizError(f"the served dtype {served!r} (--dtype, or config.json's torch_dtype) is not a torch dtype")
+    if dtype not in (None, "auto") and dtype not in dtypes:
+        raise WcvizError(f"the served dtype {dtype!r} (--dtype) is not a torch dtype")
     found = _which_engine(url, net) if engine == "auto" else engine
     which = found or "vllm"  # nothing answered: vLLM's fetch reports each rank unreachable, with the error
     label = found or "the engine (vllm or sglang: it did not answer)"
     algo = _ALGO[which]
+    served = _engine_dtype(config, dtype, which, checkpoint)  # --dtype as given, else one the engine serves
     expected = expected_frame(
         checkpoint, family, tp=tp, pp=pp, dp=dp, ep=ep, heads=heads, kv_heads=kv_heads, vocab_padding=vocab_padding,
-        tie_embeddings=tie_embeddings, dtype=dtypes[served] if served else None, algo=algo, **layout,
+        tie_embeddings=tie_embeddings, dtype=dtypes[served] if served else None, algo=algo, engine=which, **layout,
     )  # fmt: skip
     if which == "vllm":
         fetched = from_vllm_weight_checker(url, **net)

@@ -5,7 +5,8 @@ engine parameter, and how it splits over ranks), one module per family:
 :mod:`~wcviz.layouts.llama` (Llama, Mistral), :mod:`~wcviz.layouts.qwen2`,
 :mod:`~wcviz.layouts.mixtral` and :mod:`~wcviz.layouts.sim_moe` (the simulated
 engine's own MoE). Given a topology (TP, PP, DP, EP), :func:`expected_shards`
-cuts every rank's parameters as vLLM lays them out, and :func:`expected_frame`
+cuts every rank's parameters as vLLM (or, with ``engine="sglang"``, SGLang) lays
+them out, and :func:`expected_frame`
 digests them into the frame schema, so ``wcviz.compare(expected_frame(...),
 actual)`` says which parameter on which rank is not what the rules predict. That
 catches what an end-state (reset/reload) check cannot: a loader that writes the
@@ -23,13 +24,25 @@ splits, vocabulary-parallel embedding and head zero-padded to ``vocab_padding``
 split as ``get_pp_indices`` does, and FusedMoE ``w13_weight``/``w2_weight``
 spread over all tp * dp ranks of a stage (sliced, or as contiguous blocks of
 whole experts under expert parallelism, where ep = tp * dp; ranks beyond the
-experts hold empty [0, ...] tensors).
+experts hold empty [0, ...] tensors). Mixtral keeps its embedding, norm and head
+on every pipeline stage, as vLLM 0.33's ``MixtralModel`` does.
+
+Which engine, ``engine=`` (:data:`ENGINES`): ``"vllm"`` (the default) or
+``"sglang"`` (SGLang 0.5.23, read from its source): pipeline leftovers go to the
+last stages, a vocabulary tp does not divide is padded to a multiple of 64 * tp
+(vLLM cannot start there: a :class:`LayoutError`), FusedMoE weights are named
+``experts.w13_weight`` and spread over each DP replica's tp ranks (``ep``
+dividing tp: ep groups of whole experts, each sliced over tp / ep), and each
+family's :class:`Variant` says what else SGLang builds differently (Llama's
+head on every stage and no MLP biases; Qwen2's own head on the last stage of a
+tied, pipelined model; Mixtral's head on every stage).
 
 Engine versions and options. Each :class:`Family` names the engine whose source
 its rules were read from (``Family.engine``: ``"vllm 0.33.0"``; ``sim-moe`` is
 the simulated engine's). Names that changed between vLLM versions are chosen
 with ``names=`` on :func:`expected_shards` and :func:`expected_frame`
-(:data:`NAMES`): ``"vllm>=0.25"`` (the default, the rules' own names: Mixtral's
+(:data:`NAMES`; SGLang has its own, so it is left unset there):
+``"vllm>=0.25"`` (the default, the rules' own names: Mixtral's
 ``block_sparse_moe.experts.routed_experts.w13_weight``, since vLLM's MoERunner
 refactor) or ``"vllm<0.25"`` (``block_sparse_moe.experts.w13_weight``, each
 family's ``legacy_names``; the boundary is approximate, see
@@ -45,19 +58,17 @@ is ``"w1w3"`` (FusedMoE as loaded) or ``"w3w1"`` (vLLM's FlashInfer CUTLASS MoE
 backend, which swaps each expert's halves after loading). An unknown value of
 any of them is a :class:`LayoutError` listing the known ones.
 
-Where this differs from vLLM, plainly:
+Where this differs from the engines, plainly:
 
-- when tp does not divide the padded vocabulary vLLM refuses; here it is
-  rounded up to a multiple of tp as well (which is all the simulated engine
-  does: compare it with ``vocab_padding=1``);
-- only vLLM's default expert placement (linear, not ``round_robin``) and
-  stage split (no ``VLLM_PP_LAYER_PARTITION``);
-- vLLM 0.33's ``MixtralModel`` builds ``embed_tokens``, ``norm`` and
-  ``lm_head`` on every pipeline stage (no ``PPMissingLayer``), and loads them
-  there; the rules keep them on the first/last stage as Llama does, so with
-  pp > 1 a real Mixtral engine reports them on more stages than expected;
+- ``vocab_padding=1`` (the simulated engine's) pads to a multiple of tp, as
+  SGLang would with that padding, for either engine;
+- only the default expert placement (vLLM's linear, not ``round_robin``;
+  SGLang's without EPLB's redundant experts) and stage split (no
+  ``VLLM_PP_LAYER_PARTITION`` / ``SGLANG_PP_LAYER_PARTITION``);
 - MoE backends that pad or reshuffle expert weights after loading (AITER,
-  FlashInfer TRT-LLM, MXFP4) are not modelled, FlashInfer CUTLASS's swap aside;
+  FlashInfer TRT-LLM, MXFP4, SGLang's ``triton_kernels``) are not modelled,
+  the [w3 ; w1] swap aside (``moe_w13_order``); nor SGLang's attention DP,
+  ``moe_dp`` or a tied Mixtral (whose head SGLang leaves unloaded);
 - quantized weights, LoRA, added vocabulary and per-layer head sizes are not
   modelled; ``sim-moe`` is the simulated engine's own layout, not vLLM's.
 """
@@ -75,7 +86,18 @@ from wcviz.layouts._expected import (
     expected_shards,
     get_family,
 )
-from wcviz.layouts._rules import ENGINE, KINDS, NAMES, TIED_NAMES, W13_ORDERS, Family, LayoutError, Rule
+from wcviz.layouts._rules import (
+    ENGINE,
+    ENGINES,
+    KINDS,
+    NAMES,
+    TIED_NAMES,
+    W13_ORDERS,
+    Family,
+    LayoutError,
+    Rule,
+    Variant,
+)
 from wcviz.layouts._split import padded_vocab
 from wcviz.layouts._topology import expert_block, stage_layers
 from wcviz.layouts.llama import LLAMA, MISTRAL
@@ -85,6 +107,7 @@ from wcviz.layouts.sim_moe import SIM_MOE
 
 __all__ = [
     "ENGINE",
+    "ENGINES",
     "FAMILIES",
     "KINDS",
     "LLAMA",
@@ -100,6 +123,7 @@ __all__ = [
     "LayoutError",
     "Param",
     "Rule",
+    "Variant",
     "bind",
     "checkpoint_weights",
     "detect_family",

@@ -3,8 +3,9 @@
 Binding (:func:`bind`) matches the checkpoint's names to the family's rules and
 checks that every tensor is used and every rule complete; :func:`expected_shards`
 then walks the ranks in vLLM's order and cuts each parameter with
-:mod:`wcviz.layouts._split`. It never imports the simulated engine: the sim's
-loader and these rules are written apart so that one cannot hide the other's bug.
+:mod:`wcviz.layouts._split`, as the chosen engine (:data:`ENGINES`) holds it. It
+never imports the simulated engine: the sim's loader and these rules are written
+apart so that one cannot hide the other's bug.
 """
 
 from __future__ import annotations
@@ -16,9 +17,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from wcviz._text import listing
-from wcviz.layouts._rules import NAMES, TIED_NAMES, W13_ORDERS, Family, LayoutError, Rule
-from wcviz.layouts._split import SPLITS, Cut
-from wcviz.layouts._topology import Coords, expert_block, moe_slot, rank_coords, stage_layers
+from wcviz.layouts._rules import ENGINES, NAMES, TIED_NAMES, W13_ORDERS, Family, LayoutError, Rule, Variant
+from wcviz.layouts._split import SPLITS, Cut, padded_vocab
+from wcviz.layouts._topology import Coords, expert_block, moe_place, rank_coords, stage_layers
 from wcviz.layouts.llama import LLAMA, MISTRAL
 from wcviz.layouts.mixtral import MIXTRAL
 from wcviz.layouts.qwen2 import QWEN2
@@ -190,6 +191,25 @@ class _Plan:
     tied_names: str = "once"
     moe_w13_order: str = "w1w3"
     renamed: Mapping[str, str] = field(default_factory=dict)  # engine name -> the name reported under ``names``
+    engine: str = "vllm"
+    variant: Variant = field(default_factory=Variant)  # what ``engine`` builds differently from the family's rules
+
+
+def _names(engine: str, names: str | None) -> str:
+    """The ``names`` option as ``engine`` reports parameters: vLLM's by version, SGLang's its own."""
+    if engine == "sglang":
+        if names is not None:
+            raise LayoutError(
+                f"names={names!r} chooses between vLLM versions' names; engine='sglang' has its own "
+                "(FusedMoE weights directly under .experts.): leave names unset"
+            )
+        return "vllm<0.25"  # SGLang's make_expert_params_mapping (fused_moe_triton/layer.py:1797-1822): experts.w13_
+    return "vllm>=0.25" if names is None else names
+
+
+def _rows(weights: Mapping[str, Any], name: str) -> int:
+    """dim 0 of tensor ``name``, read off a checkpoint's header rather than its bytes where it can be."""
+    return weights.rows(name) if isinstance(weights, _Checkpoint) else int(weights[name].shape[0])
 
 
 def _plan(
@@ -197,18 +217,25 @@ def _plan(
     family: str | Family,
     tie_embeddings: bool | None,
     dtype: Any,
-    options: Mapping[str, str],
+    options: Mapping[str, Any],
     **sizes: int,
 ) -> _Plan:
     """Bind ``family`` to ``weights`` and check the topology against it, naming the first thing that does not fit."""
     for label, v in sizes.items():
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise LayoutError(f"{label} must be a positive int, got {v!r}")
-    for label, known in (("tied_names", TIED_NAMES), ("moe_w13_order", W13_ORDERS), ("names", NAMES)):
-        if options[label] not in known:
-            raise LayoutError(f"{label}={options[label]!r} is not known; choose one of: {', '.join(known)}")
+    if options["engine"] not in ENGINES:
+        raise LayoutError(f"engine={options['engine']!r} is not known; choose one of: {', '.join(ENGINES)}")
+    engine, names = options["engine"], _names(options["engine"], options["names"])
+    for label, known, value in (
+        ("tied_names", TIED_NAMES, options["tied_names"]),
+        ("moe_w13_order", W13_ORDERS, options["moe_w13_order"]),
+        ("names", NAMES, names),
+    ):
+        if value not in known:
+            raise LayoutError(f"{label}={value!r} is not known; choose one of: {', '.join(known)}")
     b = bind(weights.keys(), family, tie_embeddings=tie_embeddings)
-    legacy = b.family.engine_names(options["names"])
+    legacy = b.family.engine_names(names)
     renamed = {}
     for param in b.params:
         if param.rule.engine in legacy:
@@ -221,6 +248,8 @@ def _plan(
         tied_names=options["tied_names"],
         moe_w13_order=options["moe_w13_order"],
         renamed=renamed,
+        engine=engine,
+        variant=b.family.variant(engine),
         **sizes,
     )
     if p.heads % p.kv_heads:
@@ -234,10 +263,18 @@ def _plan(
     if p.ep > 1:
         if not any(param.rule.stacks_experts for param in b.params):
             raise LayoutError(f"ep={p.ep}: family {b.family.name} has no FusedMoE experts to place")
-        if p.ep != p.tp * p.dp:
+        if engine == "vllm" and p.ep != p.tp * p.dp:
             raise LayoutError(
                 f"ep={p.ep}: vLLM's expert parallelism spans every TP x DP rank: ep must be 1 or tp*dp = {p.tp * p.dp}"
             )
+        if engine == "sglang" and (p.tp % p.ep or b.experts % p.ep):  # fused_moe_triton/layer.py:414 asserts
+            raise LayoutError(
+                f"ep={p.ep}: SGLang's expert parallelism splits each replica's tp={p.tp} ranks into ep groups of "
+                f"whole experts: ep must divide tp and the {b.experts} experts"
+            )
+    for param in b.params:  # vLLM refuses a vocabulary tp does not divide: say so now, not at the first shard
+        if param.rule.kind == "vocab":
+            padded_vocab(_rows(weights, param.sources[0][0]), p.vocab_padding, p.tp, engine)
     return p
 
 
@@ -254,7 +291,8 @@ def expected_shards(
     vocab_padding: int = 64,
     tie_embeddings: bool | None = None,
     dtype: torch.dtype | None = None,
-    names: str = "vllm>=0.25",
+    engine: str = "vllm",
+    names: str | None = None,
     tied_names: str = "once",
     moe_w13_order: str = "w1w3",
 ) -> Iterator[tuple[Coords, str, torch.Tensor]]:
@@ -262,59 +300,61 @@ def expected_shards(
 
     ``weights`` are full Hugging Face tensors (a state dict, or the path of a
     safetensors checkpoint, read lazily). ``coords`` holds ``rank``, ``dp``, ``pp``,
-    ``tp`` and ``ep`` (None unless ``ep > 1``; then ``ep`` must be ``tp * dp``).
-    FusedMoE experts are spread over the ``tp * dp`` ranks of a stage, as vLLM does:
+    ``tp`` and ``ep`` (the EP rank, None unless ``ep > 1``). ``engine``
+    (:data:`~wcviz.layouts.ENGINES`) is whose layout: ``"vllm"`` (the rules as
+    written) or ``"sglang"`` (its stage split, vocabulary padding, FusedMoE and
+    each family's :class:`~wcviz.layouts.Variant`). vLLM spreads FusedMoE experts
+    over the ``tp * dp`` ranks of a stage (``ep`` must be 1 or ``tp * dp``):
     sliced, or as blocks of whole experts under expert parallelism (ranks beyond
-    the experts hold empty [0, ...] tensors).
-    ``vocab_padding`` is vLLM's ``DEFAULT_VOCAB_PADDING_SIZE`` (64): the vocabulary
-    is padded to a multiple of it before the TP split, and then to a multiple of
-    ``tp`` (where vLLM would refuse instead); the simulated engine pads to ``tp``
-    only, so compare it with ``vocab_padding=1``. ``dtype`` is the engine's
-    parameter dtype when it differs from the weights'.
+    the experts hold empty [0, ...] tensors); SGLang over the ``tp`` ranks of each
+    DP replica, ``ep`` dividing ``tp`` and the experts.
+    ``vocab_padding`` is the engines' ``DEFAULT_VOCAB_PADDING_SIZE`` (64): the
+    vocabulary is padded to a multiple of it before the TP split; where tp does not
+    divide that, SGLang pads to a multiple of ``vocab_padding * tp`` and vLLM cannot
+    start (a LayoutError). The simulated engine pads to a multiple of ``tp`` only:
+    compare it with ``vocab_padding=1``. ``dtype`` is the engine's parameter dtype
+    when it differs from the weights'.
 
-    ``names`` picks the engine's parameter names by vLLM version
-    (:data:`~wcviz.layouts.NAMES`): ``"vllm>=0.25"`` as the rules name them
+    ``names`` picks vLLM's parameter names by version
+    (:data:`~wcviz.layouts.NAMES`): ``"vllm>=0.25"`` (the default) as the rules name them
     (Mixtral's ``experts.routed_experts.w13_weight``), ``"vllm<0.25"`` before the
-    MoERunner refactor (``experts.w13_weight``). ``tied_names`` says how a tied
+    MoERunner refactor (``experts.w13_weight``); SGLang has its own (the latter),
+    so leave it unset there. ``tied_names`` says how a tied
     head is listed: ``"once"`` as vLLM's ``/weight_checker`` and wcviz's
     worker extension do (``named_parameters()``: the embedding's name only), ``"both"``
     as ``named_parameters(remove_duplicate=False)`` does (:func:`wcviz.sources.from_module`):
-    ``lm_head.weight`` too, the same tensor, on the last stage.
+    ``lm_head.weight`` too, the same tensor, where the head is the embedding.
     ``moe_w13_order="w3w1"`` gives FusedMoE ``w13_weight`` as vLLM's FlashInfer
     CUTLASS backend holds it, each expert's halves swapped. Errors are
     :class:`LayoutError` and name the tensor, dim, size or option that does not fit.
     """
     weights = checkpoint_weights(weights) if isinstance(weights, (str, Path)) else weights
-    sizes = {
-        "tp": tp,
-        "pp": pp,
-        "dp": dp,
-        "ep": ep,
-        "heads": heads,
-        "kv_heads": kv_heads,
-        "vocab_padding": vocab_padding,
-    }
-    options = {"names": names, "tied_names": tied_names, "moe_w13_order": moe_w13_order}
+    sizes = {"tp": tp, "pp": pp, "dp": dp, "ep": ep, "heads": heads, "kv_heads": kv_heads, "vocab_padding": vocab_padding}
+    options = {"engine": engine, "names": names, "tied_names": tied_names, "moe_w13_order": moe_w13_order}
     plan = _plan(weights, family, tie_embeddings, dtype, options, **sizes)  # errors now, not at the first next()
-    return ((coords, name, t) for coords in rank_coords(tp, pp, dp, ep) for name, t in _rank(weights, plan, coords))
+    ranks = rank_coords(tp, pp, dp, ep, plan.engine)
+    return ((coords, name, t) for coords in ranks for name, t in _rank(weights, plan, coords))
 
 
 def _rank(weights: Mapping[str, torch.Tensor], plan: _Plan, coords: Coords) -> list[tuple[str, torch.Tensor]]:
-    """One rank's parameters, cut from ``weights``."""
-    b, stage, last = plan.binding, coords["pp"], plan.pp - 1
-    own = stage_layers(b.layers, plan.pp)[stage]
-    slot = moe_slot(coords, plan.tp)  # FusedMoE spans the stage's TP x DP ranks
-    experts = expert_block(b.experts, slot, plan.ep) if plan.ep > 1 else range(b.experts)
-    moe_tp, moe_tp_size = (0, 1) if plan.ep > 1 else (slot, plan.tp * plan.dp)
+    """One rank's parameters, cut from ``weights`` as ``plan.engine`` holds them."""
+    b, v, stage, last = plan.binding, plan.variant, coords["pp"], plan.pp - 1
+    own = stage_layers(b.layers, plan.pp, plan.engine)[stage]
+    moe = moe_place(coords, plan.tp, plan.dp, plan.ep, plan.engine)
+    experts = expert_block(b.experts, moe.ep_rank, plan.ep) if moe.ep_rank is not None else range(b.experts)
     cut = Cut(
-        coords["tp"], plan.tp, plan.heads, plan.kv_heads, plan.vocab_padding, moe_tp, moe_tp_size, plan.moe_w13_order
-    )
+        coords["tp"], plan.tp, plan.heads, plan.kv_heads, plan.vocab_padding, moe.moe_tp, moe.moe_tp_size,
+        plan.moe_w13_order, plan.engine,
+    )  # fmt: skip
+    held = {"first": stage == 0, "last": stage == last, "every": True}
+    tied_here = b.tied and stage == last  # with a tied head, what the last stage holds: Variant.tied_last
     out = []
     for p in b.params:
-        on = {"layer": p.layer in own, "first": stage == 0, "last": stage == last}[p.rule.stage]
-        if b.tied and p.name == b.family.embedding and stage == last:
-            on = True  # a tied head is the embedding: the last stage holds it too
-        if not on:
+        where = v.stage(p.rule)
+        on = p.layer in own if where == "layer" else held[where]
+        if tied_here and p.name == b.family.embedding and v.tied_last == "embedding":
+            on = True  # vLLM: a tied head is the embedding, and the last stage holds it too
+        if not on or p.rule.engine in v.dropped:
             continue
         if p.rule.stacks_experts:
             # an EP rank beyond the experts holds none: cut one anyway for the trailing dims and dtype, keep [0, ...]
@@ -326,7 +366,12 @@ def _rank(weights: Mapping[str, torch.Tensor], plan: _Plan, coords: Coords) -> l
         if p.rule.stacks_experts and not experts:
             t = t[:0]
         out.append((plan.renamed.get(p.name, p.name), (t if plan.dtype is None else t.to(plan.dtype)).contiguous()))
-    if b.tied and plan.tied_names == "both" and stage == last:  # the head is the embedding's tensor, under its name
+    if tied_here and stage > 0 and v.tied_last == "head":  # a head of its own, loaded from the embedding (SGLang Qwen2)
+        embedding = b.family.rule(b.family.embedding)
+        t = SPLITS["vocab"]([weights[embedding.sources[0]]], cut, b.family.head)
+        out.append((b.family.head, (t if plan.dtype is None else t.to(plan.dtype)).contiguous()))
+    head_here = held[v.stage(b.family.rule(b.family.head))]
+    if b.tied and plan.tied_names == "both" and head_here:  # the head is the embedding's tensor, under its name
         out += [(b.family.head, t) for n, t in out if n == b.family.embedding]
     return out
 
@@ -344,7 +389,8 @@ def expected_frame(
     vocab_padding: int = 64,
     tie_embeddings: bool | None = None,
     dtype: torch.dtype | None = None,
-    names: str = "vllm>=0.25",
+    engine: str = "vllm",
+    names: str | None = None,
     tied_names: str = "once",
     moe_w13_order: str = "w1w3",
     algo: str | None = None,
@@ -358,7 +404,7 @@ def expected_frame(
     ``tp`` (and ``ep`` when ``ep > 1``) as the engine's agents report them;
     ``rank_info`` (``host``, ``phase``, ``step``) is stamped on every row. A DP
     replica reuses the digests of the replica before it, unless FusedMoE experts
-    (spread over DP ranks too) make them differ. ``algo`` is any of
+    (which vLLM spreads over DP ranks too) make them differ. ``algo`` is any of
     :data:`wcviz.digest.ALGORITHMS`, the engines' own (``vllm-sha256``,
     ``sglang-cpu``, ``sglang-gpu``) included, so the frame compares with what an
     engine's checker reports.
@@ -369,21 +415,14 @@ def expected_frame(
     info = check_rank_info({"role": role, **rank_info})
     info.setdefault("phase", "current")
     weights = checkpoint_weights(weights) if isinstance(weights, (str, Path)) else weights
-    sizes = {
-        "tp": tp,
-        "pp": pp,
-        "dp": dp,
-        "ep": ep,
-        "heads": heads,
-        "kv_heads": kv_heads,
-        "vocab_padding": vocab_padding,
-    }
-    options = {"names": names, "tied_names": tied_names, "moe_w13_order": moe_w13_order}
+    sizes = {"tp": tp, "pp": pp, "dp": dp, "ep": ep, "heads": heads, "kv_heads": kv_heads, "vocab_padding": vocab_padding}
+    options = {"engine": engine, "names": names, "tied_names": tied_names, "moe_w13_order": moe_w13_order}
     plan = _plan(weights, family, tie_embeddings, dtype, options, **sizes)
     rows: list[dict[str, Any]] = []
     done: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
-    moe = any(p.rule.stacks_experts for p in plan.binding.params)  # FusedMoE differs between DP replicas
-    for coords in rank_coords(tp, pp, dp, ep):
+    # vLLM's FusedMoE differs between DP replicas (SGLang's stays inside each replica)
+    moe = plan.engine == "vllm" and any(p.rule.stacks_experts for p in plan.binding.params)
+    for coords in rank_coords(tp, pp, dp, ep, plan.engine):
         key = (coords["pp"], coords["tp"], coords["dp"] if moe else None)
         if key not in done:  # one frame for all ranks: building a frame costs more than digesting a small shard
             named = _rank(weights, plan, coords)
@@ -424,6 +463,13 @@ class _Checkpoint(Mapping):
 
         with safe_open(str(self.where[name]), "pt") as h:
             return h.get_tensor(name)
+
+    def rows(self, name: str) -> int:
+        """dim 0 of tensor ``name``, from the file's header (the tensor is not read)."""
+        from safetensors import safe_open
+
+        with safe_open(str(self.where[name]), "pt") as h:
+            return int(h.get_slice(name).get_shape()[0])
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.where)

@@ -11,9 +11,30 @@ from dataclasses import dataclass, field
 
 from wcviz._errors import WcvizError
 
-__all__ = ["ENGINE", "KINDS", "NAMES", "STAGES", "TIED_NAMES", "W13_ORDERS", "Family", "LayoutError", "Rule"]
+__all__ = [
+    "ENGINE",
+    "ENGINES",
+    "KINDS",
+    "NAMES",
+    "STAGES",
+    "TIED_NAMES",
+    "W13_ORDERS",
+    "Family",
+    "LayoutError",
+    "Rule",
+    "Variant",
+]
 
 ENGINE = "vllm 0.33.0"  # the engine version the vLLM families' rules were checked against
+# Which engine lays the weights out (option ``engine``). The rules are vLLM's; a family's Variant says what
+# another engine builds differently, and the topology, vocabulary and FusedMoE differences are here by engine.
+ENGINES = {
+    "vllm": "vLLM 0.33.0 (the default): the rules as written",
+    "sglang": (
+        "SGLang 0.5.23: pipeline leftovers to the last stages, a vocabulary tp does not divide padded to 64 * tp, "
+        "each family's Variant, FusedMoE under .experts. sliced over tp / ep within each DP replica"
+    ),
+}
 
 # How one rank's piece of an engine parameter is cut from its sources (vLLM's layer class in brackets).
 KINDS = {
@@ -41,8 +62,10 @@ W13_ORDERS = {
     "w1w3": "[w1 ; w3], gate over up, as FusedMoE loads it (vLLM's default Triton backend)",
     "w3w1": "[w3 ; w1], as vLLM's FlashInfer CUTLASS backend swaps it after loading (swap_w13_to_w31)",
 }
-# Which pipeline stages hold a parameter: the one owning its layer, the first, or the last.
-STAGES = ("layer", "first", "last")
+# Which pipeline stages hold a parameter: the one owning its layer, the first, the last, or every stage.
+STAGES = ("layer", "first", "last", "every")
+# With pp > 1, what the last stage holds of a tied head (Variant.tied_last).
+TIED_LAST = ("embedding", "head", "nothing")
 _STACKED_OVER_EXPERTS = ("moe_w13", "moe_w2")
 _ARITY = {"qkv": (3,), "moe_w13": (2,), "merged_column": range(2, 9)}  # how many sources a kind fuses; others take 1
 
@@ -89,7 +112,7 @@ class Rule:
         stage = self.stage or ("layer" if "L" in engine else "")
         if stage not in STAGES or (stage == "layer") != ("L" in engine):
             raise LayoutError(
-                f"rule {self.engine}: stage must be 'layer' for a name with {{L}}, else 'first' or 'last'"
+                f"rule {self.engine}: stage must be 'layer' for a name with {{L}}, else 'first', 'last' or 'every'"
             )
         object.__setattr__(self, "stage", stage)
         object.__setattr__(self, "placeholders", engine)
@@ -98,6 +121,27 @@ class Rule:
     def stacks_experts(self) -> bool:
         """True for FusedMoE rules: one engine parameter holds every local expert."""
         return self.kind in _STACKED_OVER_EXPERTS
+
+
+@dataclass(frozen=True)
+class Variant:
+    """What one engine builds differently from a family's rules (which are vLLM's), read off its model file.
+
+    ``stages`` moves a parameter that belongs to no layer to another stage on this
+    engine (``first``, ``last`` or ``every``). ``dropped`` names parameters the engine
+    does not build: their checkpoint tensors are bound as usual, then skipped as the
+    engine's loader skips them. ``tied_last``: with pp > 1 and a tied head, the last
+    stage holds the ``embedding`` itself (vLLM), a ``head`` of its own loaded from the
+    embedding, or ``nothing``.
+    """
+
+    stages: tuple[tuple[str, str], ...] = ()
+    dropped: tuple[str, ...] = ()
+    tied_last: str = "embedding"
+
+    def stage(self, rule: Rule) -> str:
+        """Where this engine holds ``rule``'s parameter."""
+        return dict(self.stages).get(rule.engine, rule.stage)
 
 
 @dataclass(frozen=True)
@@ -116,6 +160,8 @@ class Family:
     ``legacy_names`` pairs an engine name template of ``rules`` with the name an
     older vLLM gave the same parameter (see :data:`NAMES`; chosen with
     ``names="vllm<0.25"``); parameters not listed kept their names.
+    ``variants`` pairs an engine of :data:`ENGINES` with the :class:`Variant` it
+    builds; an engine not listed builds the rules as written.
     """
 
     name: str
@@ -126,6 +172,7 @@ class Family:
     skipped: tuple[str, ...] = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
     engine: str = ENGINE
     legacy_names: tuple[tuple[str, str], ...] = ()
+    variants: tuple[tuple[str, Variant], ...] = ()
 
     def __post_init__(self) -> None:
         engines = [r.engine for r in self.rules]
@@ -146,12 +193,29 @@ class Family:
         olds = [old for _, old in self.legacy_names]
         if len(set(olds)) < len(olds) or set(olds) & (set(engines) - {new for new, _ in self.legacy_names}):
             raise LayoutError(f"family {self.name}: legacy_names would give two parameters one name")
+        for engine, v in self.variants:
+            where = f"family {self.name}, engine {engine}"
+            if engine not in ENGINES:
+                raise LayoutError(f"{where}: not one of {', '.join(ENGINES)}")
+            for name, stage in v.stages:
+                if self.rule(name).stage == "layer" or stage not in STAGES[1:]:
+                    raise LayoutError(f"{where}: {name} can move to 'first', 'last' or 'every', not a layer's stage")
+            for name in v.dropped:
+                self.rule(name)
+            if v.tied_last not in TIED_LAST:
+                raise LayoutError(f"{where}: tied_last must be one of {', '.join(TIED_LAST)}")
 
     def engine_names(self, names: str) -> dict[str, str]:
         """{template in the rules: template to report} under ``names`` (one of :data:`NAMES`); renamed ones only."""
         if names not in NAMES:
             raise LayoutError(f"names={names!r} is not known; choose one of: {', '.join(NAMES)}")
         return dict(self.legacy_names) if names == "vllm<0.25" else {}
+
+    def variant(self, engine: str) -> Variant:
+        """What ``engine`` (one of :data:`ENGINES`) builds differently from the rules."""
+        if engine not in ENGINES:
+            raise LayoutError(f"engine={engine!r} is not known; choose one of: {', '.join(ENGINES)}")
+        return dict(self.variants).get(engine, Variant())
 
     def rule(self, engine: str) -> Rule:
         """The rule that makes engine parameter ``engine`` (a template name)."""

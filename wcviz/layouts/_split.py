@@ -27,14 +27,33 @@ class Cut:
     kv_heads: int
     vocab_padding: int
     moe_tp: int  # the slice of each FusedMoE expert: the rank's slot among the stage's tp * dp ranks (0 under EP)
-    moe_tp_size: int  # tp * dp (1 under expert parallelism: whole experts)
+    moe_tp_size: int  # in how many slices each expert is cut (vLLM: tp * dp, SGLang: tp / ep; 1: whole experts)
     w13_order: str = "w1w3"  # each expert's w13 halves: "w1w3" as loaded, "w3w1" as FlashInfer CUTLASS swaps them
+    engine: str = "vllm"  # whose vocabulary padding
 
 
-def padded_vocab(vocab: int, padding: int, tp: int) -> int:
-    """Rows of a vocab-parallel parameter over all ranks: vocab rounded up to ``padding``, then to ``tp``."""
-    rows = -(-vocab // padding) * padding
-    return -(-rows // tp) * tp
+def _round_up(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+def padded_vocab(vocab: int, padding: int, tp: int, engine: str = "vllm") -> int:
+    """Rows of a vocab-parallel parameter over all ranks: ``vocab`` rounded up to ``padding``, as ``engine`` pads it.
+
+    When tp does not divide that, SGLang pads to a multiple of ``padding * tp``
+    instead (``sglang/srt/layers/vocab_parallel_embedding.py:273-274``) and vLLM
+    cannot start (``vllm/.../vocab_parallel_embedding.py:304``: ``divide()`` asserts):
+    a LayoutError. ``padding=1`` is the simulated engine's, which pads to a multiple
+    of tp as SGLang does, whichever engine it plays.
+    """
+    rows = _round_up(vocab, padding)
+    if rows % tp == 0:
+        return rows
+    if engine == "vllm" and padding != 1:
+        raise LayoutError(
+            f"vLLM cannot start with tp={tp} and this vocabulary: {vocab} rows padded to a multiple of {padding} "
+            f"are {rows}, which tp={tp} does not divide (VocabParallelEmbedding's divide() asserts)"
+        )
+    return _round_up(vocab, padding * tp)
 
 
 def _part(t: torch.Tensor, dim: int, index: int, parts: int, what: str) -> torch.Tensor:
@@ -64,7 +83,7 @@ def _merged_column(src: Sequence[torch.Tensor], c: Cut, what: str) -> torch.Tens
 
 def _vocab(src: Sequence[torch.Tensor], c: Cut, what: str) -> torch.Tensor:
     full = src[0]
-    rows = padded_vocab(full.shape[0], c.vocab_padding, c.tp_size) // c.tp_size
+    rows = padded_vocab(full.shape[0], c.vocab_padding, c.tp_size, c.engine) // c.tp_size
     piece = full[c.tp * rows : (c.tp + 1) * rows]
     out = torch.zeros((rows, *full.shape[1:]), dtype=full.dtype, device=full.device)  # vLLM zero-fills padding
     out[: piece.shape[0]] = piece

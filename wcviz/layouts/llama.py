@@ -10,14 +10,32 @@ exactly like their weight (k/v bias heads replicated when tp exceeds the kv head
 ``RowParallelLinear`` keeps the whole bias (``output_size``) on every rank and its
 ``weight_loader`` never narrows it (only TP rank 0 adds it in ``forward``).
 
+SGLang 0.5.23 (``sglang/srt/models/llama.py``, Mistral a subclass) differs, in
+:data:`SGLANG_LLAMA`: its ``LlamaMLP`` has no biases (``bias=False``, lines 101
+and 109; the loader skips a ``.bias`` it has no parameter for, 756-770), it
+builds ``lm_head`` on every pipeline stage (570-578, no ``is_last_rank``) and
+loads it there, and a tied head is ``model.embed_tokens`` itself, which only the
+first stage holds (431-439), so a later stage holds nothing for it.
+
 The pieces are named so that other families can reuse them.
 """
 
 from __future__ import annotations
 
-from wcviz.layouts._rules import Family, Rule
+from wcviz.layouts._rules import Family, Rule, Variant
 
-__all__ = ["ATTENTION", "ATTENTION_BIAS", "DENSE_MLP", "EMBEDDING", "HEAD", "LLAMA", "MISTRAL", "MLP_BIAS", "NORMS"]
+__all__ = [
+    "ATTENTION",
+    "ATTENTION_BIAS",
+    "DENSE_MLP",
+    "EMBEDDING",
+    "HEAD",
+    "LLAMA",
+    "MISTRAL",
+    "MLP_BIAS",
+    "NORMS",
+    "SGLANG_LLAMA",
+]
 
 _L = "model.layers.{L}."
 
@@ -63,9 +81,20 @@ HEAD = (
     Rule("lm_head.weight", ("lm_head.weight",), "vocab", stage="last", optional=True),  # absent when tied
 )
 
+# SGLang's LlamaForCausalLM: the head on every stage (llama.py:570-578), no MLP biases (101, 109)
+SGLANG_LLAMA = Variant(
+    stages=(("lm_head.weight", "every"),), dropped=tuple(r.engine for r in MLP_BIAS), tied_last="nothing"
+)
+
 LLAMA = Family(
     "llama",
     (*EMBEDDING, *ATTENTION, *ATTENTION_BIAS, *NORMS, *DENSE_MLP, *MLP_BIAS, *HEAD),
     doc="Llama: fused qkv_proj and gate_up_proj, optional attention and MLP biases",
+    variants=(("sglang", SGLANG_LLAMA),),
 )
-MISTRAL = Family("mistral", LLAMA.rules, doc="Mistral: Llama's names and layout (vLLM loads it as Llama)")
+MISTRAL = Family(
+    "mistral",
+    LLAMA.rules,
+    doc="Mistral: Llama's names and layout (vLLM loads it as Llama; SGLang's MistralForCausalLM subclasses its Llama)",
+    variants=LLAMA.variants,
+)

@@ -32,14 +32,25 @@ Under expert parallelism a rank beyond the experts holds none: vLLM's
 ``determine_expert_map`` gives it ``local_num_experts`` 0 and
 ``UnquantizedFusedMoEMethod.create_weights`` makes [0, 2 * intermediate,
 hidden] and [0, hidden, intermediate] tensors.
+
+Pipeline stages. vLLM 0.33's ``MixtralModel`` builds ``embed_tokens`` (mixtral.py:316),
+``norm`` (336) and ``MixtralForCausalLM.lm_head`` (406, tied to the embedding when
+``tie_word_embeddings``) on every stage, with no ``PPMissingLayer``, and its
+``AutoWeightsLoader`` loads them there: :data:`VLLM_MIXTRAL` holds them on every
+stage. SGLang 0.5.23 (``sglang/srt/models/mixtral.py``) keeps the embedding on the
+first stage (289-296) and the norm on the last (308-311) but builds ``lm_head`` on
+every stage (355), untied whatever the config says (a tied checkpoint's head stays
+unloaded there: not modelled). SGLang names the FusedMoE weights as vLLM did before
+0.25 (``experts.w13_weight``: ``make_expert_params_mapping``,
+``fused_moe_triton/layer.py:1797-1822``) and loads w1 over w3 (``_load_w13``, 788-879).
 """
 
 from __future__ import annotations
 
-from wcviz.layouts._rules import Family, Rule
+from wcviz.layouts._rules import Family, Rule, Variant
 from wcviz.layouts.llama import ATTENTION, EMBEDDING, HEAD, NORMS
 
-__all__ = ["FUSED_MOE", "LEGACY_NAMES", "MIXTRAL"]
+__all__ = ["FUSED_MOE", "LEGACY_NAMES", "MIXTRAL", "VLLM_MIXTRAL"]
 
 _M = "model.layers.{L}.block_sparse_moe."
 
@@ -58,9 +69,13 @@ LEGACY_NAMES = (
     (_M + "experts.routed_experts.w2_weight", _M + "experts.w2_weight"),
 )
 
+# vLLM's MixtralModel: embedding, norm and head on every stage (mixtral.py:316, 336, 406)
+VLLM_MIXTRAL = Variant(stages=tuple((r.engine, "every") for r in (*EMBEDDING, *HEAD)))
+
 MIXTRAL = Family(
     "mixtral",
     (*EMBEDDING, *ATTENTION, *NORMS, *FUSED_MOE, *HEAD),
     doc="Mixtral: FusedMoE w13/w2, expert parallel",
     legacy_names=LEGACY_NAMES,
+    variants=(("vllm", VLLM_MIXTRAL), ("sglang", Variant(stages=(("lm_head.weight", "every"),), tied_last="nothing"))),
 )

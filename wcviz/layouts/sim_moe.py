@@ -5,12 +5,13 @@ a dense MLP, under ``mlp.experts.E``; the router ``mlp.gate`` is replicated. Thi
 is how vLLM held experts before FusedMoE, not a layout current vLLM uses (its
 Qwen2-MoE and Mixtral stack experts: see :mod:`wcviz.layouts.mixtral`); it has no
 expert parallelism. Its ``engine`` is the sim, and its names never change with
-the ``names`` option.
+the ``names`` option. Played as SGLang, the sim holds it as SGLang holds Llama
+(the head on every stage).
 """
 
 from __future__ import annotations
 
-from wcviz.layouts._rules import Family, Rule
+from wcviz.layouts._rules import Family, Rule, Variant
 from wcviz.layouts.llama import ATTENTION, EMBEDDING, HEAD, NORMS
 
 __all__ = ["PER_EXPERT_MLP", "SIM_MOE"]
@@ -28,4 +29,5 @@ SIM_MOE = Family(
     (*EMBEDDING, *ATTENTION, *NORMS, *PER_EXPERT_MLP, *HEAD),
     doc="the sim's per-expert MoE",
     engine="wcviz.sim (moe_style='sim')",
+    variants=(("sglang", Variant(stages=(("lm_head.weight", "every"),), tied_last="nothing")),),
 )

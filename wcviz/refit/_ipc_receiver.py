@@ -62,7 +62,9 @@ class IPCReceiver(Transport):
 
     ``metadata`` is ``{name: (shape, dtype)}`` for what its model expects;
     ``load_weights`` gets a list of ``(name, tensor)`` views into the shared
-    buffer, valid only during the call (copy them). With verification on, the
+    buffer, valid only during the call (copy them: the sender reuses the buffer; a
+    ``load_weights`` that keeps one is answered with an error, and the memory stays
+    mapped while the kept views live). With verification on, the
     receiver digests every view it loads, before loading it, and returns the
     digests in the final ack. ``overlap=True`` (CPU buffers) digests on a worker
     thread while ``load_weights`` reads the same views (``_beside``): only for a
@@ -196,6 +198,7 @@ class IPCReceiver(Transport):
         try:
             assert buf.tensor is not None
             views = self._faulted([(n, unpack(buf.tensor, off, m)) for n, off, m in entries], stream)
+            loaded = [n for n, _ in views]
             job = None
             if stream.acc is not None and self.overlap and not buf.tensor.is_cuda:
                 job = self._beside.submit(_add_all, stream.acc, list(views))  # its own list: load_weights may consume it
@@ -208,8 +211,22 @@ class IPCReceiver(Transport):
                 if job is not None:  # it reads the buffer: done before the buffer is freed or acknowledged
                     settle([job], raise_errors=False)
             if job is not None:
-                job.result()
+                failure, job = job.exception(), None  # no reference cycle through this frame: the failure's
+                if failure is not None:  # traceback holds the views, which keep the buffer mapped until it goes
+                    try:
+                        raise failure
+                    finally:
+                        failure = None
             _sync(buf.tensor)  # the sender may overwrite the buffer once we ack
+            del views  # this receiver's references: what still uses the buffer now, the loader kept
+            kept = buf.views_alive()
+            if kept:
+                raise RefitProtocolError(
+                    f"the engine's load_weights kept views of the staging buffer after it returned ({kept} still use its memory; its "
+                    f"batch: {', '.join(loaded[:5])}{', ...' if len(loaded) > 5 else ''}): the sender reuses the "
+                    "buffer, so what they hold would change under them; copy what you keep (t.clone()). This "
+                    "refit is not verified"
+                )
         finally:
             if handle.transient:
                 buf.close()

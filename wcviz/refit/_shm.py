@@ -149,7 +149,8 @@ class OwnedBuffer:
         self._shm: SharedMemory | None = None
         if device.type == "cpu":
             self._shm = SharedMemory(name=_unique_key(), create=True, size=size)
-            self.tensor: torch.Tensor | None = torch.frombuffer(self._shm.buf, dtype=torch.uint8, count=size)
+            _reserve(self._shm, size)
+            self.tensor: torch.Tensor | None = _mapped_tensor(self._shm, size)
             self.handle = BufferHandle("shm", self._shm.name, size, transient)
         elif device.type == "cuda":
             from torch.multiprocessing.reductions import reduce_tensor
@@ -169,27 +170,87 @@ class OwnedBuffer:
                 shm.unlink()
 
 
+def _reserve(shm: SharedMemory, size: int) -> None:
+    """Back every page of a new segment now, or free it and raise naming ``/dev/shm``.
+
+    A segment is created sparse: where ``/dev/shm`` is smaller than the buffer (64 MiB in
+    a default Docker container) the first write past its end kills the process with
+    SIGBUS, in the middle of a trainer's refit, leaving the segment behind."""
+    fd = getattr(shm, "_fd", -1)
+    if fd < 0 or not hasattr(os, "posix_fallocate"):
+        return
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        _close_quietly(shm)
+        with contextlib.suppress(FileNotFoundError):
+            shm.unlink()
+        from wcviz.refit.verify import RefitError
+
+        free = _free_bytes("/dev/shm")
+        raise RefitError(
+            f"cannot reserve a {size:,}-byte refit staging buffer in shared memory ({e.strerror or e}): /dev/shm "
+            f"has {free} free; make it larger (docker run --shm-size) or pass a smaller buffer_bytes"
+        ) from None
+
+
+def _free_bytes(path: str) -> str:
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return "an unknown number of bytes"
+    return f"{st.f_bavail * st.f_frsize:,} bytes"
+
+
+def _users(t: torch.Tensor | None) -> int:
+    """How many tensors and storages share ``t``'s memory (torch's use count of its storage)."""
+    return 0 if t is None else int(torch._C._storage_Use_Count(t.untyped_storage()._cdata))
+
+
 class AttachedBuffer:
-    """A peer's buffer, attached from its handle: ``.tensor`` sees the owner's memory."""
+    """A peer's buffer, attached from its handle: ``.tensor`` sees the owner's memory.
+
+    :meth:`views_alive` counts the tensors besides ``.tensor`` that still use the memory, so a
+    receiver can tell a loader that kept its views; :meth:`close` never unmaps memory a view
+    still reads (:func:`_mapped_tensor`).
+    """
 
     def __init__(self, handle: BufferHandle) -> None:
         self.handle = handle
         self._shm: SharedMemory | None = None
         if handle.kind == "shm":
             self._shm = _attach_shm(handle.key)
-            self.tensor: torch.Tensor | None = torch.frombuffer(self._shm.buf, dtype=torch.uint8, count=handle.nbytes)
+            self.tensor: torch.Tensor | None = _mapped_tensor(self._shm, handle.nbytes)
         elif handle.kind == "cuda" and handle.cuda is not None:
             rebuild, args = handle.cuda
             self.tensor = rebuild(*args)
         else:
             raise ValueError(f"unknown buffer handle {handle!r}")
+        self._own_users = _users(self.tensor)
+
+    def views_alive(self) -> int:
+        """Tensors other than ``.tensor`` that still use this buffer's memory (0 once every view is gone)."""
+        return max(0, _users(self.tensor) - self._own_users) if self.tensor is not None else 0
 
     def close(self) -> None:
-        """Let go of the mapping (the owner frees the memory). Idempotent."""
+        """Let go of the mapping (the owner frees the memory); a view still alive keeps it until it goes. Idempotent."""
         self.tensor = None
         shm, self._shm = self._shm, None
         if shm is not None:
             _close_quietly(shm)
+
+
+def _mapped_tensor(shm: SharedMemory, count: int) -> torch.Tensor:
+    """A flat ``uint8`` tensor over a segment that keeps the mapping alive as long as any view of it lives.
+
+    ``torch.frombuffer`` holds a reference to the object it is given, not a buffer export: given
+    ``shm.buf`` itself, ``SharedMemory.close`` releases that memoryview and unmaps the segment under
+    a view still alive (a loader that kept the views it was handed then crashed the engine with
+    SIGSEGV at its next read). A memoryview of its own holds the export, so ``close`` refuses
+    (:func:`_close_quietly`) and the mapping goes with the last view."""
+    buf = shm.buf
+    assert buf is not None  # an open segment
+    return torch.frombuffer(memoryview(buf), dtype=torch.uint8, count=count)
 
 
 def _close_quietly(shm: SharedMemory) -> None:

@@ -32,8 +32,8 @@ Stream (each :meth:`BroadcastSender.send` / :meth:`BroadcastReceiver.receive`):
    takes part in every collective, so nothing deadlocks). Otherwise it slices
    views, applies its faults, digests them (when it verifies) and calls
    ``load_weights([(name, tensor), ...])``.
-3. ``{"kind": "complete"}`` (or ``{"kind": "abort", "error"}`` when the
-   sender failed mid-stream: then every side raises and nothing follows);
+3. ``{"kind": "complete"}`` (or ``{"kind": "abort", "error"}`` when the sender
+   refused its input or failed: then every side raises and nothing follows);
 4. ``gather_object`` to ``src``: each engine's report ``{"errors": [...]}``,
    plus ``"digests": {name: hex}`` only when that engine verifies. With
    ``off`` everywhere no digest is computed and none is sent.
@@ -82,6 +82,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from wcviz._errors import DigestError
 from wcviz.digest import DEFAULT_ALGO, DigestAccumulator, logical_bytes
 from wcviz.refit._control import malformed_digest
 from wcviz.refit._group import GroupMember, group_ranks
@@ -102,14 +103,9 @@ from wcviz.refit.verify import (
 )
 
 __all__ = [
-    "BroadcastDigestMismatch",
-    "BroadcastReceiver",
-    "BroadcastResult",
-    "BroadcastSender",
-    "Received",
-    "backend_for",
-    "metadata_of",
-]
+    "BroadcastDigestMismatch", "BroadcastDuplicateNames", "BroadcastReceiver", "BroadcastResult", "BroadcastSender",
+    "Received", "backend_for", "metadata_of",
+]  # fmt: skip
 
 log = logging.getLogger("wcviz.refit")
 
@@ -179,6 +175,10 @@ class BroadcastDigestMismatch(RefitDigestMismatch):
         return (type(self), (self.broadcast,))
 
 
+class BroadcastDuplicateNames(RefitError, DigestError):
+    """``send`` was given a parameter name twice (named): a :class:`RefitError`, and still a ``DigestError``."""
+
+
 @dataclass(frozen=True)
 class Received:
     """What one engine took in during a stream: buckets and parameters loaded, and its digests when it verifies."""
@@ -206,6 +206,13 @@ def _expected_per_rank(
     declared = set().union(*(set(m) for m in metadata.values())) if metadata else set()
     expected_names(declared, sent, partial=partial, expected=names)  # the checks: unknown names, sends outside the list
     return {rank: names & set(meta) for rank, meta in metadata.items()}
+
+
+def _pairs(named_tensors: NamedTensors) -> list[tuple[str, torch.Tensor]]:
+    try:
+        return tensor_pairs(named_tensors)
+    except DigestError as e:  # what as_pairs raises for a name given twice (anything else is a TypeError)
+        raise BroadcastDuplicateNames(str(e)) from e
 
 
 def _received(rank: int, digests: Any, algo: str) -> Mapping[str, str]:
@@ -282,22 +289,24 @@ class BroadcastSender(GroupMember):
         (or was lost on the way to that rank) is ``missing`` on that rank. To update
         a subset on purpose: ``partial=True`` (exactly what is sent must arrive) or
         ``expected=[names]`` (exactly those, on every engine).
+
+        Input it refuses (a name given twice, a non-tensor, a bad ``expected``) aborts the stream on every engine too.
         """
         if self.metadata is None:
             raise RefitProtocolError("BroadcastSender.send before prepare(): the engines' metadata is unknown")
-        items = tensor_pairs(named_tensors)
-        sent_names = [name for name, _ in items]
-        # checked before the barrier: a caller's mistake must not leave the engines waiting in a collective
-        want = _expected_per_rank(self.metadata, sent_names, partial, expected)
-        self._barrier("the stream")
+        self._barrier("the stream")  # the engines wait here: the caller's input is checked after it, so they are told
+        why = "the trainer refused its own input, nothing was sent: "
         try:
+            items = _pairs(named_tensors)
+            want = _expected_per_rank(self.metadata, [name for name, _ in items], partial, expected)
+            why = ""
             sent = {name: Meta.of(t) for name, t in items}
             nbytes = sum(m.nbytes for m in sent.values())
             digests = self._stream(items)
         except RefitTimeout:
             raise
         except Exception as e:  # tell the engines, so they raise too instead of waiting out the timeout
-            self._broadcast_object("the abort notice", {"kind": "abort", "error": f"{type(e).__name__}: {e}"})
+            self._broadcast_object("the abort notice", {"kind": "abort", "error": f"{why}{type(e).__name__}: {e}"})
             raise
         self._broadcast_object("the completion header", {"kind": "complete"})
         gathered = self._gather("the engines' reports", None)

@@ -1,7 +1,7 @@
 """Simulated engines that answer as vLLM's and SGLang's own weight checkers do, over real HTTP on loopback.
 
-Each holds simulated engine ranks (:class:`wcviz.sim.engine.EngineShard`, vLLM's
-parameter names and shards, loader faults injectable) and serves the engine's routes
+Each holds simulated engine ranks (:class:`wcviz.sim.engine.EngineShard`, laid out as
+the engine it fakes lays them out, loader faults injectable) and serves the engine's routes
 exactly as the named release answers them, read from its source:
 
 - :class:`SimVllm`: vLLM 0.33.0 with ``VLLM_SERVER_DEV_MODE=1``
@@ -49,13 +49,14 @@ class _Served:
     """An engine's ranks and the Starlette app that answers for them, served in a background thread."""
 
     name = "engine"
+    layout = "vllm"  # whose layout the ranks play (EngineShard's engine)
 
     def __init__(self, cfg: ModelConfig, *, tp: int, pp: int, dp: int, faults: Mapping[Coords, LoaderFaults] | None, expert_parallel: bool) -> None:
         self.cfg = cfg
         self.tp, self.pp, self.dp = tp, pp, dp
         self.faults = dict(faults or {})
         self.shards: dict[Coords, EngineShard] = {
-            (d, p, t): EngineShard(cfg, t, tp, p, pp, self.faults.get((d, p, t), LoaderFaults()), dp_rank=d, dp_size=dp, expert_parallel=expert_parallel)
+            (d, p, t): EngineShard(cfg, t, tp, p, pp, self.faults.get((d, p, t), LoaderFaults()), dp_rank=d, dp_size=dp, expert_parallel=expert_parallel, engine=self.layout)
             for d in range(dp) for p in range(pp) for t in range(tp)
         }  # fmt: skip
         self.lock = threading.Lock()
@@ -219,6 +220,7 @@ class SimSglang(_Served):
     """
 
     name = "SGLang"
+    layout = "sglang"
 
     def __init__(
         self, cfg: ModelConfig, *, tp: int = 1, pp: int = 1, dp: int = 1, faults: Mapping[Coords, LoaderFaults] | None = None,
@@ -229,7 +231,7 @@ class SimSglang(_Served):
             raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
         super().__init__(cfg, tp=tp, pp=pp, dp=dp, faults=faults, expert_parallel=False)
         self.draft_cfg = draft
-        self.drafts = {c: EngineShard(draft, c[2], tp, 0, 1) for c in self.shards if c[1] == 0} if draft else {}
+        self.drafts = {c: EngineShard(draft, c[2], tp, 0, 1, engine="sglang") for c in self.shards if c[1] == 0} if draft else {}
         if draft is not None:
             self.load_draft()
         self.admin_api_key, self.api_key = admin_api_key, api_key

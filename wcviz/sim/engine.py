@@ -1,4 +1,4 @@
-"""Inference-engine ranks that hold and load weights the way vLLM lays them out.
+"""Inference-engine ranks that hold and load weights the way vLLM (or SGLang) lays them out.
 
 One :class:`EngineShard` is one (tensor-parallel, pipeline-parallel) rank. Its
 ``params`` carry vLLM's names and shapes: q/k/v (weights and, for Qwen2, biases)
@@ -10,8 +10,14 @@ FusedMoE holds them: ``experts.w13_weight`` [local experts, 2 * inter / n, hidde
 FusedMoE spreads over all n = tp * dp ranks of a stage (vLLM shards MoE layers
 across data-parallel ranks too); with expert parallelism each of those ranks
 holds a contiguous block of whole experts instead of a slice of every expert.
+As vLLM 0.33's ``MixtralModel`` does, a Mixtral-style model keeps its embedding,
+final norm and head on every pipeline stage. With ``engine="sglang"`` a rank is
+held as SGLang 0.5.23 holds it: pipeline leftovers to the last stages, the head on
+every stage (Llama, Mixtral) or the last (Qwen2: q/k/v biases; tied and
+pipelined, a head of its own loaded from the embedding), and FusedMoE spread
+over the TP ranks of each DP replica only.
 :meth:`EngineShard.load_weights` narrows and fuses full Hugging Face tensors into
-them like vLLM's loaders do, with optional :class:`LoaderFaults`:
+them like the engines' loaders do, with optional :class:`LoaderFaults`:
 the loader bugs users report, so that verification has something to catch.
 """
 
@@ -25,7 +31,9 @@ import torch
 
 from wcviz.sim.model import ModelConfig, parameter_shapes
 
-__all__ = ["EngineLayout", "EngineShard", "LoaderFaults", "pp_layers", "reassemble"]
+__all__ = ["ENGINES", "EngineLayout", "EngineShard", "LoaderFaults", "pp_layers", "reassemble"]
+
+ENGINES = ("vllm", "sglang")  # whose layout a shard plays
 
 # vLLM's stacked_params_mapping: (engine param, HF param, shard id).
 STACKED = (
@@ -99,11 +107,12 @@ class LoaderFaults:
         return ", ".join(set_) or "no faults"
 
 
-def pp_layers(layers: int, pp_rank: int, pp_size: int) -> range:
-    """Layers pipeline stage ``pp_rank`` owns: vLLM's split, leftovers to the stages before the last."""
+def pp_layers(layers: int, pp_rank: int, pp_size: int, engine: str = "vllm") -> range:
+    """Layers pipeline stage ``pp_rank`` owns: leftovers to the stages before the last (vLLM) or the last (SGLang)."""
     sizes = [layers // pp_size] * pp_size
-    for i in range(2, layers % pp_size + 2):
-        sizes[-i] += 1
+    skip = 1 if engine == "vllm" else 0  # vLLM never gives the last stage (it holds the head) an extra layer
+    for i in range(layers % pp_size):
+        sizes[-1 - skip - i] += 1
     start = sum(sizes[:pp_rank])
     return range(start, start + sizes[pp_rank])
 
@@ -128,12 +137,13 @@ def _flip_lowest_bit(t: torch.Tensor) -> torch.Tensor:
 
 
 class EngineShard:
-    """The weights one engine rank holds, named and shaped as vLLM holds them.
+    """The weights one engine rank holds, named and shaped as vLLM (or, with ``engine="sglang"``, SGLang) holds them.
 
     ``dp_rank``/``dp_size`` matter to FusedMoE experts only: vLLM spreads them over
     every TP x DP rank of a stage (group rank ``dp_rank * tp_size + tp_rank``), as
     TP slices or, with ``expert_parallel`` (vLLM's ``enable_expert_parallel``), as
     blocks of whole experts: then ``ep_rank``/``ep_size`` are that group rank and size.
+    SGLang keeps them inside the replica's TP group (group rank ``tp_rank``).
     """
 
     def __init__(
@@ -148,19 +158,22 @@ class EngineShard:
         dp_rank: int = 0,
         dp_size: int = 1,
         expert_parallel: bool = False,
+        engine: str = "vllm",
     ) -> None:
-        _check_layout(cfg, tp_rank, tp_size, pp_rank, pp_size, dp_rank, dp_size, expert_parallel)
-        self.cfg, self.faults = cfg, faults
+        _check_layout(cfg, tp_rank, tp_size, pp_rank, pp_size, dp_rank, dp_size, expert_parallel, engine)
+        self.cfg, self.faults, self.engine = cfg, faults, engine
         self.tp_rank, self.tp_size, self.pp_rank, self.pp_size = tp_rank, tp_size, pp_rank, pp_size
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.fused_moe = cfg.experts > 0 and cfg.moe_style == "mixtral"
-        # FusedMoE spans the TP x DP ranks of the stage: every expert sliced over them, or a block of whole experts each
-        group, slot = tp_size * dp_size, dp_rank * tp_size + tp_rank
-        self.ep_rank, self.ep_size = (slot, group) if expert_parallel else (0, 1)
-        self.moe_tp_size = 1 if expert_parallel else group
+        # FusedMoE spans the TP x DP ranks of the stage (vLLM) or the TP ranks of the replica (SGLang): every
+        # expert sliced over them, or a block of whole experts each
+        self.moe_group = tp_size * dp_size if engine == "vllm" else tp_size
+        self.moe_slot = dp_rank * tp_size + tp_rank if engine == "vllm" else tp_rank
+        self.ep_rank, self.ep_size = (self.moe_slot, self.moe_group) if expert_parallel else (0, 1)
+        self.moe_tp_size = 1 if expert_parallel else self.moe_group
         self.experts = _expert_block(cfg.experts, self.ep_rank, self.ep_size) if self.fused_moe else range(cfg.experts)
         self.moe_rows = cfg.intermediate // self.moe_tp_size
-        self.layers = pp_layers(cfg.layers, pp_rank, pp_size)
+        self.layers = pp_layers(cfg.layers, pp_rank, pp_size, engine)
         hd, h = cfg.head_dim, cfg.hidden
         # When tp > kv_heads each kv head is replicated over tp // kv_heads ranks.
         self.kv_replicas = max(1, tp_size // cfg.kv_heads)
@@ -170,7 +183,8 @@ class EngineShard:
         self.vocab_rows = -(-cfg.vocab // tp_size)  # padded vocab / tp
 
         shapes: dict[str, tuple[int, ...]] = {}
-        if pp_rank == 0 or (cfg.tie_embeddings and pp_rank == pp_size - 1):
+        embed, norm, head, self.own_tied_head = self._ends()
+        if embed:
             shapes["model.embed_tokens.weight"] = (self.vocab_rows, h)
         for i in self.layers:
             p = f"model.layers.{i}."
@@ -192,11 +206,21 @@ class EngineShard:
             for m in mlps:
                 shapes[m + "gate_up_proj.weight"] = (2 * self.inter_rows, h)
                 shapes[m + "down_proj.weight"] = (h, self.inter_rows)
-        if pp_rank == pp_size - 1:
+        if norm:
             shapes["model.norm.weight"] = (h,)
-            if not cfg.tie_embeddings:
-                shapes["lm_head.weight"] = (self.vocab_rows, h)
+        if head or self.own_tied_head:
+            shapes["lm_head.weight"] = (self.vocab_rows, h)
         self.params: dict[str, torch.Tensor] = {n: torch.zeros(s, dtype=cfg.dtype) for n, s in shapes.items()}
+
+    def _ends(self) -> tuple[bool, bool, bool, bool]:
+        """Whether this stage holds the embedding, the final norm, the head, and a tied model's head of its own."""
+        first, last, tied = self.pp_rank == 0, self.pp_rank == self.pp_size - 1, self.cfg.tie_embeddings
+        if self.engine == "vllm":  # Llama/Qwen2: the ends, a tied head being the embedding on the last stage too
+            every = self.fused_moe  # Mixtral: every stage (vLLM 0.33 mixtral.py:316, 336, 406: no PPMissingLayer)
+            return first or every or (tied and last), last or every, (last or every) and not tied, False
+        qwen2 = self.cfg.qkv_bias  # SGLang: qwen2.py:535-547 the head on the last stage; llama.py:570-578 every stage
+        own = tied and qwen2 and last and self.pp_size > 1  # Qwen2's own head there, loaded from the embedding
+        return first, last, (last or not qwen2) and not tied, own
 
     def __repr__(self) -> str:
         dp = f", dp={self.dp_rank}/{self.dp_size}" if self.dp_size > 1 else ""
@@ -219,6 +243,8 @@ class EngineShard:
             if self.faults.stale or _match(self.faults.skip, hf_name):
                 continue
             name, shard_id, expert = _engine_name(hf_name)
+            if name == "model.embed_tokens.weight" and self.own_tied_head:
+                name = "lm_head.weight"  # SGLang's Qwen2 loads its own tied head from the embedding (qwen2.py:670-680)
             if name not in self.params or (expert is not None and expert not in self.experts):
                 if self._owned_elsewhere(name, expert):
                     continue
@@ -255,7 +281,8 @@ class EngineShard:
             r = 0
         if shard_id in _MOE_IDS and expert is not None:
             slot, rows = param[self.experts.index(expert)], self.moe_rows
-            r = self.dp_rank * self.tp_size + r if self.moe_tp_size > 1 else 0  # expert parallel: whole experts
+            replica = self.dp_rank * self.tp_size if self.engine == "vllm" else 0  # vLLM's group spans DP too
+            r = replica + r if self.moe_tp_size > 1 else 0  # expert parallel: whole experts
             if shard_id == "w2":
                 return slot, full.narrow(1, r * rows, rows)
             offset = rows if shard_id == "w3" else 0
@@ -300,7 +327,10 @@ def _check_layout(
     dp_rank: int = 0,
     dp_size: int = 1,
     expert_parallel: bool = False,
+    engine: str = "vllm",
 ) -> None:
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
     if tp_size < 1 or not 0 <= tp_rank < tp_size:
         raise ValueError(f"tp_rank {tp_rank} outside tp_size {tp_size}")
     if pp_size < 1 or not 0 <= pp_rank < pp_size:
@@ -315,38 +345,41 @@ def _check_layout(
         raise ValueError(f"pp_size {pp_size} exceeds ModelConfig.layers ({cfg.layers})")
     if dp_size < 1 or not 0 <= dp_rank < dp_size:
         raise ValueError(f"dp_rank {dp_rank} outside dp_size {dp_size}")
-    fused_moe, group = cfg.experts > 0 and cfg.moe_style == "mixtral", tp_size * dp_size
+    fused_moe = cfg.experts > 0 and cfg.moe_style == "mixtral"
+    group, ranks = (tp_size * dp_size, "tp * dp") if engine == "vllm" else (tp_size, "tp")  # SGLang: within a replica
     if expert_parallel and not fused_moe:
         raise ValueError("expert_parallel needs FusedMoE experts: ModelConfig.experts > 0 and moe_style='mixtral'")
     if expert_parallel and group > cfg.experts:
-        raise ValueError(f"expert parallelism over tp * dp = {group} ranks exceeds ModelConfig.experts ({cfg.experts})")
+        raise ValueError(f"expert parallelism over {ranks} = {group} ranks exceeds ModelConfig.experts ({cfg.experts})")
+    if expert_parallel and engine == "sglang" and cfg.experts % group:
+        raise ValueError(f"SGLang places experts in equal blocks: tp = {group} must divide ModelConfig.experts ({cfg.experts})")
     if fused_moe and not expert_parallel and cfg.intermediate % group:
-        raise ValueError(f"tp * dp = {group} must divide ModelConfig.intermediate ({cfg.intermediate}): FusedMoE spans both")
+        raise ValueError(f"{ranks} = {group} must divide ModelConfig.intermediate ({cfg.intermediate}): FusedMoE spans them")
 
 
 def reassemble(shards: list[EngineShard]) -> dict[str, torch.Tensor]:
     """Full HF-named tensors rebuilt from every (dp, pp, tp) shard of one engine: the layout's inverse.
 
     Concatenates TP slices, unfuses qkv/gate_up/w13, unstacks FusedMoE experts (which
-    span the DP ranks too), keeps the first replica of each kv head (and the first
+    span the DP ranks too under vLLM), keeps the first replica of each kv head (and the first
     stage's copy of a tied embedding) and strips vocab padding.
     """
     if not shards:
         raise ValueError("reassemble needs at least one shard")
     first = shards[0]
-    cfg, tp, pp, dp, ep = first.cfg, first.tp_size, first.pp_size, first.dp_size, first.ep_size
+    cfg, tp, pp, dp, ep, layout = first.cfg, first.tp_size, first.pp_size, first.dp_size, first.ep_size, first.engine
     grid = {(s.dp_rank, s.pp_rank, s.tp_rank): s for s in shards}
     if len(grid) != len(shards) or set(grid) != {(d, p, t) for d in range(dp) for p in range(pp) for t in range(tp)}:
         raise ValueError(f"need exactly one shard per (dp, pp, tp) in {dp}x{pp}x{tp}, got {sorted(grid)}")
-    if any((s.cfg, s.tp_size, s.pp_size, s.dp_size, s.ep_size) != (cfg, tp, pp, dp, ep) for s in shards):
+    if any((s.cfg, s.tp_size, s.pp_size, s.dp_size, s.ep_size, s.engine) != (cfg, tp, pp, dp, ep, layout) for s in shards):
         raise ValueError("shards come from different configs or layouts")
 
     out: dict[str, torch.Tensor] = {}
     for name in parameter_shapes(cfg):
         engine, shard_id, expert = _engine_name(name)
         stage = next(p for p in range(pp) if engine in grid[(0, p, 0)].params)
-        if expert is not None:  # FusedMoE: the group is every (dp, tp) rank of the stage, in group-rank order
-            group = [grid[(d, stage, t)] for d in range(dp) for t in range(tp)]
+        if expert is not None:  # FusedMoE: every (dp, tp) rank of the stage (vLLM) or of replica 0 (SGLang), in order
+            group = [grid[(d, stage, t)] for d in (range(dp) if layout == "vllm" else [0]) for t in range(tp)]
             if ep > 1:
                 holder = next(s for s in group if expert in s.experts)
                 out[name] = _own_part(holder, engine, shard_id, expert).clone()

@@ -33,6 +33,7 @@ _EXPORTS = {
     "checkpoint_files": ("_safetensors", "checkpoint_files"),
     "from_safetensors": ("_safetensors", "from_safetensors"),
     "safetensors_rows": ("_safetensors", "safetensors_rows"),
+    "read_header": ("_safetensors", "read_header"),
     "from_sglang": ("_sglang", "from_sglang"),
     "sglang_action": ("_sglang", "sglang_action"),
     "sglang_compare_mismatches": ("_sglang", "sglang_compare_mismatches"),
@@ -58,7 +59,7 @@ if TYPE_CHECKING:
     from wcviz.sources._fleet import normalize as normalize_targets
     from wcviz.sources._http import act, act_agents, fetch, fetch_agents, fetch_infos
     from wcviz.sources._ray import from_ray_actors
-    from wcviz.sources._safetensors import checkpoint_files, from_safetensors, safetensors_rows
+    from wcviz.sources._safetensors import checkpoint_files, from_safetensors, read_header, safetensors_rows
     from wcviz.sources._sglang import from_sglang, sglang_action, sglang_compare_mismatches
     from wcviz.sources._tensors import from_module, from_named_tensors, from_state_dict, named_tensor_rows, named_tensor_table
     from wcviz.sources._vllm import EngineEndpointError, from_vllm_http, from_vllm_llm, vllm_collective_rpc
@@ -94,6 +95,7 @@ __all__ = [
     "named_tensor_table",
     "normalize_targets",
     "safetensors_rows",
+    "read_header",
     "sglang_action",
     "sglang_compare_mismatches",
     "sglang_endstate",
