@@ -481,6 +481,80 @@ def test_coords_explicit_then_vllm_then_attributes(monkeypatch: pytest.MonkeyPat
         worker_coords(w)
 
 
+def test_coords_under_an_external_launcher_are_the_torch_global_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``distributed_executor_backend="external_launcher"`` (verl-style SPMD, one process per rank of one torch
+    world): vLLM multiplies ``world_size`` by DP there (``config/parallel.py:970``), so ``world_size_across_dp``
+    counts DP twice. TP 2 x DP 2 on a torch world of 4 was numbered 0, 1, 6, 7 of 8."""
+    group = lambda r: types.SimpleNamespace(rank_in_group=r)
+    ps = types.ModuleType("vllm.distributed.parallel_state")
+    ps.get_pp_group = lambda: group(0)  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "vllm.distributed.parallel_state", ps)
+    got = []
+    for torch_rank in range(4):
+        tp, dp = torch_rank % 2, torch_rank // 2
+        ps.get_tensor_model_parallel_rank = lambda tp=tp: tp  # type: ignore[attr-defined]
+        ps.get_dp_group = lambda dp=dp: group(dp)  # type: ignore[attr-defined]
+        dist = types.SimpleNamespace(is_available=lambda: True, is_initialized=lambda: True,
+                                     get_rank=lambda r=torch_rank: r, get_world_size=lambda: 4)  # fmt: skip
+        monkeypatch.setitem(sys.modules, "torch.distributed", dist)
+        w = SimWorker(0)
+        w.vllm_config = types.SimpleNamespace(parallel_config=types.SimpleNamespace(  # as config/parallel.py sets it
+            distributed_executor_backend="external_launcher", tensor_parallel_size=2, data_parallel_size=2,
+            data_parallel_rank=dp, data_parallel_index=dp, world_size=2 * 2, world_size_across_dp=2 * 2 * 2,
+        ))  # fmt: skip
+        got.append(worker_coords(w)[0])
+    assert [(c["rank"], c["dp"], c["tp"], c["world_size"], c["dp_size"]) for c in got] == [
+        (0, 0, 0, 4, 2), (1, 0, 1, 4, 2), (2, 1, 0, 4, 2), (3, 1, 1, 4, 2),
+    ]
+
+
+def test_parameters_whose_bytes_live_in_inner_tensors_are_listed_as_vllms_checker_lists_them() -> None:
+    """vLLM 0.33's checker (``model_loader/weight_checksum.py``, ``_tensors``) lists a ``SharedWeightParameter`` by its
+    partitions (``<name>.<index>``) and a traceable wrapper subclass (TorchAO) by its inner tensors
+    (``<name>.<attr>``). The extension listed the parameter itself: the wrapper failed the whole rank, and the
+    shared parameter was an empty tensor whose partitions were never digested (or poisoned)."""
+    import hashlib
+
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    class SharedWeightParameter(torch.nn.Parameter):  # as vllm/model_executor/parameter.py builds it: no data
+        pass
+
+    def vllm_checker(model: torch.nn.Module) -> dict[str, str]:  # weight_checksum.py, as written there
+        from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+        def inner(name: str, t: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+            if isinstance(t, SharedWeightParameter):
+                for index, part in t.partitions.items():
+                    yield from inner(f"{name}.{index}", part)
+            elif is_traceable_wrapper_subclass(t):
+                for attr in t.__tensor_flatten__()[0]:
+                    yield from inner(f"{name}.{attr}", getattr(t, attr))
+            else:
+                yield name, t
+
+        return {
+            n: hashlib.sha256(w.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()).hexdigest()
+            for name, p in model.named_parameters() for n, w in inner(name, p)
+        }  # fmt: skip
+
+    m = torch.nn.Module()
+    m.lin = torch.nn.Linear(4, 4, bias=False)
+    m.q = torch.nn.Parameter(TwoTensor(torch.randn(4, 4), torch.randn(4, 4)), requires_grad=False)
+    shared = SharedWeightParameter(torch.empty(0), requires_grad=False)
+    shared.partitions = {0: torch.nn.Parameter(torch.randn(3, 3), requires_grad=False)}
+    m.t = torch.nn.Module()
+    m.t.weight = shared
+    w = SimWorker(0)
+    w.model_runner = types.SimpleNamespace(model=m)
+    res = w.wcviz_digests(algo="vllm-sha256")
+    assert "error" not in res, res.get("error")
+    assert {r["name"]: r["digest"] for r in res["rows"]} == vllm_checker(m)
+    assert res["info"]["params"] == 4
+    w.wcviz_reset("0xa5")
+    assert bool((shared.partitions[0].view(torch.uint8) == 0xA5).all()) and bool((m.q.a.view(torch.uint8) == 0xA5).all())
+
+
 def test_extension_mixes_into_another_frameworks_extension() -> None:
     """vLLM refuses extension attributes its worker already has: ours are all wcviz_-prefixed, no __init__."""
     names = [n for n in vars(WcvizWorkerExtension) if not n.startswith("__")]

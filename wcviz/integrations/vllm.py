@@ -141,6 +141,14 @@ def _vllm_coords(worker: Any) -> dict[str, int | None] | None:
         rank = getattr(worker, "rank", None)
     replica, across = getattr(parallel, "world_size", None), getattr(parallel, "world_size_across_dp", None)
     dp_size = getattr(parallel, "data_parallel_size", None)
+    external = getattr(parallel, "distributed_executor_backend", None) == "external_launcher"
+    if external and isinstance(rank, int) and isinstance(world, int) and isinstance(replica, int) and replica > 0:
+        # One process per rank of one torch world (verl-style SPMD): vLLM multiplies world_size by DP there
+        # (config/parallel.py:970), so world_size_across_dp counts DP twice; the torch rank is the global rank
+        # (parallel_state.py:2158: reshape(-1, dp, pp, pcp, tp)), and a replica (internal DP, or the external
+        # DP of several engines in one world) is every world_size // dp of them.
+        per = replica // dp_size if isinstance(dp_size, int) and dp_size > 0 and replica % dp_size == 0 else replica
+        return {"rank": rank, "dp": rank // per, "pp": pp, "tp": tp, "ep": ep, "world_size": world, "dp_size": world // per}
     if isinstance(replica, int) and replica > 0 and isinstance(dp, int) and isinstance(rank, int):
         rank = dp * replica + rank % replica  # one numbering across DP, as vLLM's own checker keys imply
         world = across if isinstance(across, int) else world
@@ -186,6 +194,22 @@ def _device_uuid(device: torch.device) -> str | None:
     return uuid if uuid.startswith(("GPU-", "MIG-")) else f"GPU-{uuid}"
 
 
+def _inner_tensors(name: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """The tensors that hold a parameter's bytes, named as vLLM 0.33's checker names them
+    (``model_executor/model_loader/weight_checksum.py``, ``_tensors``): a ``SharedWeightParameter``
+    (no data of its own) by its partitions, ``<name>.<index>``; a traceable wrapper subclass (TorchAO's
+    quantized weights) by its inner tensors, ``<name>.<attr>``; any other parameter as itself."""
+    shared = any(c.__name__ == "SharedWeightParameter" for c in type(t).__mro__)  # wcviz never imports vLLM
+    partitions = getattr(t, "partitions", None)
+    if shared and isinstance(partitions, Mapping):
+        return [pair for index, part in partitions.items() for pair in _inner_tensors(f"{name}.{index}", part)]
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    if is_traceable_wrapper_subclass(t):
+        return [pair for attr in t.__tensor_flatten__()[0] for pair in _inner_tensors(f"{name}.{attr}", getattr(t, attr))]
+    return [(name, t)]
+
+
 class WcvizWorkerExtension:
     """Methods vLLM mixes into each worker (``worker_extension_cls``); see the module doc."""
 
@@ -206,7 +230,8 @@ class WcvizWorkerExtension:
     def _wcviz_named(self) -> list[tuple[str, torch.Tensor]]:
         # A tied parameter once, under its first name, as vLLM's own /weight_checker lists it
         # (named_parameters()): one rule for every engine source, and expected_frame's default.
-        return list(self._wcviz_model().named_parameters())
+        # Parameters whose bytes live in inner tensors are listed by those, under vLLM's names.
+        return [pair for name, p in self._wcviz_model().named_parameters() for pair in _inner_tensors(name, p)]
 
     def _wcviz_identity(self) -> dict[str, Any]:
         coords, source = worker_coords(self)
