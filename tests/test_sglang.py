@@ -20,6 +20,7 @@ import dataclasses
 import hashlib
 import sys
 import types
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -32,8 +33,9 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from wcviz import digest_hex
-from wcviz._errors import AlgorithmMismatch
+from wcviz._errors import AlgorithmMismatch, WcvizError
 from wcviz.endstate import EngineLeftPoisoned, SglangFleet, sglang_endstate
+from wcviz.live import verify_engine
 from wcviz.sim import SimSglang
 from wcviz.sim.engine import LoaderFaults
 from wcviz.sim.model import TINY, build_state_dict
@@ -212,7 +214,11 @@ def test_an_altered_answer_is_refused_rank_by_rank() -> None:
     assert f"{url} ranks[1]" in set(res.failed["url"])
 
 
-def test_actions_are_acknowledged_engine_wide_and_compare_names_what_differs() -> None:
+def test_actions_answer_for_tp_rank_0_of_stage_0_and_compare_names_what_differs() -> None:
+    # Every rank runs the action, but only the scheduler with pp_rank == 0 and attn_tp_rank == 0 has a socket to
+    # the tokenizer (SGLang 0.5.23 srt/managers/scheduler.py:816-839, scheduler_components/ipc_channels.py:36-72;
+    # the others' SenderWrapper(None).send_output returns without sending, output_sender.py:17-18): the answer is
+    # that rank's; another rank's failure is only logged.
     sim = SimSglang(TINY, tp=2)
     with sim as url:
         first = sglang_action(url, "compare")
@@ -221,15 +227,81 @@ def test_actions_are_acknowledged_engine_wide_and_compare_names_what_differs() -
         assert snap.complete and snap.urls == (url,) and snap.answers[url]["message"] == "Success."
         before = {n: t.clone() for n, t in sim.shards[(0, 0, 1)].params.items()}
         reset = sglang_action(url, "reset_tensors")
-        assert reset.complete  # 200 without payload: done, on every rank
+        assert reset.complete  # 200 without payload: TP rank 0 did it; every rank ran it
         assert all(not torch.equal(before[n], t) for n, t in sim.shards[(0, 0, 1)].params.items())
         sim.shards[(0, 0, 1)].faults = LoaderFaults(skip=r"down_proj")
         sim.load()
+        on_rank_1 = sglang_action(url, "compare")
+        assert on_rank_1.complete  # TP rank 1's compare failed, but SGLang does not answer for it
+        assert ("target", (0, 0, 1)) in sim.snapshots and ("target", (0, 0, 0)) not in sim.snapshots  # a failed compare keeps it
+        assert sglang_action(url, "snapshot").complete and sglang_action(url, "reset_tensors").complete
+        sim.shards[(0, 0, 0)].faults = LoaderFaults(skip=r"down_proj")
+        sim.load()
         cmp = sglang_action(url, "compare")
-    assert not cmp.complete and cmp.errors[url].startswith("compare failed: check tensor equality failed")
+    assert not cmp.complete and cmp.errors[url].startswith("compare failed on TP rank 0 of pipeline stage 0")
+    assert "check tensor equality failed" in cmp.errors[url]
     assert sorted(sglang_compare_mismatches(cmp.errors[url])) == DOWN
     with pytest.raises(ValueError, match="choose snapshot, reset_tensors or compare"):
         sglang_action(url, "checksum")
+
+
+def test_compare_without_a_snapshot_under_dp_is_explained() -> None:
+    # each DP scheduler's TP rank 0 fails `assert self._snapshot_tensors is not None` (utils/weight_checker.py:190)
+    # with an empty message (weight_updater.py:453-456); the tokenizer joins them with " | " (communicator.py:106-110)
+    sim = SimSglang(TINY, dp=2)
+    with sim as url:
+        assert _raw(url, {"action": "compare"}).json() == {"success": False, "message": " | "}
+        res = sglang_action(url, "compare")
+    assert "no snapshot was taken" in res.errors[url] and "|" not in res.errors[url]
+
+
+def test_draft_selector_on_an_engine_without_a_draft_model_is_empty_never_a_pass() -> None:
+    # no draft worker: _select_runners returns no runner (weight_updater.py:178-185), payload stays None (433):
+    # 200 {"success": true, "message": "Success."} with no ranks
+    sim = SimSglang(TINY, tp=2)
+    with sim as url:
+        assert _raw(url, {"action": "checksum", "selector": "draft"}).json() == {"success": True, "message": "Success."}
+        res = from_sglang(url, selector="draft")
+    assert not res.complete and not len(res.frame)
+    assert list(res.failed["kind"]) == ["empty"] and "the engine has no draft model" in res.failed["error"].iloc[0]
+    assert "not SGLang" not in res.summary
+
+
+def test_the_fake_refuses_a_body_sglangs_pydantic_model_refuses() -> None:
+    # CheckWeightsReqInput (io_struct.py:2217-2223: selector Literal["target", "draft", "all"], skip_tensor_list
+    # Optional[List[str]]) is validated by FastAPI; a RequestValidationError is HTTP 400 with SGLang's
+    # ErrorResponse (http_server.py:635-691; entrypoints/openai/protocol.py:106-111)
+    sim = SimSglang(TINY)
+    with sim as url:
+        for body, field in (({"action": "checksum", "selector": "bogus"}, "selector"), ({"action": "checksum", "skip_tensor_list": "norm"}, "skip_tensor_list")):
+            r = _raw(url, body)
+            assert r.status_code == 400, body
+            got = r.json()
+            assert set(got) == {"object", "message", "type", "param", "code"} and "success" not in got
+            assert got["object"] == "error" and got["type"] == "Bad Request" and got["code"] == 400 and field in got["message"]
+        assert _raw(url, {"action": "checksum", "skip_tensor_list": ["norm"], "selector": "target"}).status_code == 200
+
+
+def test_verify_a_cpu_sglang_with_algo_sglang_cpu(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # SGLang hashes a CPU tensor with SHA-256 (srt/managers/mm_utils.py:921-928; offloaded parameters live on the
+    # host, srt/utils/offloader.py:170-179,476-477): wcviz's sglang-cpu
+    from wcviz.cli import main
+    from wcviz.sim.model import save_checkpoint
+
+    ck = save_checkpoint(build_state_dict(TINY), tmp_path / "ck", config=TINY)
+    with SimSglang(TINY, tp=2, device="cpu") as url:
+        assumed = verify_engine(url, ck, tp=2, vocab_padding=1)
+        assert not assumed.ok  # sglang-gpu expected: every digest differs
+        report = verify_engine(url, ck, tp=2, vocab_padding=1, algo="sglang-cpu")
+        assert report.ok and set(report.verdicts["status"]) == {"match"} and report.assumed["algo"] == "sglang-cpu"
+        assert main(["verify", url, "--checkpoint", str(ck), "--tp", "2", "--vocab-padding", "1", "--algo", "sglang-cpu"]) == 0
+        with pytest.raises(WcvizError, match="SGLang's checker computes sglang-gpu, sglang-cpu, not 'vllm-sha256'"):
+            verify_engine(url, ck, tp=2, vocab_padding=1, algo="vllm-sha256")
+    with pytest.raises(WcvizError, match="vLLM's checker computes vllm-sha256, not 'sglang-cpu'"):
+        verify_engine("http://127.0.0.1:9", ck, tp=2, engine="vllm", algo="sglang-cpu")
+    with pytest.raises(WcvizError, match="not 'nemo-rl-v3'"):
+        verify_engine("http://127.0.0.1:9", ck, tp=2, algo="nemo-rl-v3")
+    capsys.readouterr()
 
 
 def test_missing_endpoint_and_a_server_that_is_down() -> None:
@@ -260,7 +332,7 @@ def test_sglang_checksums_are_never_compared_with_nemo_digests() -> None:
 # --------------------------------------------------------------------------- the end-state check through SGLang's checker
 
 
-def test_endstate_finds_the_rank_whose_reload_skipped_a_weight() -> None:
+def test_endstate_finds_the_rank_whose_reload_skipped_a_weight() -> None:  # while SGLang's compare, on TP rank 0, passes
     sim = SimSglang(TINY, tp=2)
 
     def reload() -> None:
@@ -277,8 +349,12 @@ def test_endstate_finds_the_rank_whose_reload_skipped_a_weight() -> None:
     assert set(zip(bad["pp"], bad["tp"])) == {(0, 1)}
     assert sorted(bad["name"]) == DOWN
     assert (v["algo"] == "sglang-gpu").all() and len(result.unreachable) == 0
-    assert result.compare is not None and "model.layers.0.mlp.down_proj.weight" in result.compare.errors[url]
-    assert "SGLang's own compare: FAILED" in result.summary
+    # SGLang answers compare for TP rank 0 of stage 0 only (scheduler.py:816-839, output_sender.py:17-18): TP rank 1's
+    # failed compare is only logged, so SGLang's compare passes; the per-rank verdicts above are what find TP rank 1
+    assert result.compare is not None and result.compare.complete
+    assert "SGLang's own compare: passed (it answers for TP rank 0 of pipeline stage 0" in result.summary
+    assert "per-rank checksums cover every rank" in result.summary
+    assert ("target", (0, 0, 1)) in sim.snapshots  # TP rank 1's compare failed: SGLang keeps its snapshot there
     assert any("keeps its snapshot" in n for n in result.notes)
     assert [r["body"]["action"] for r in sim.requests] == ["snapshot", "checksum", "reset_tensors", "checksum", "checksum", "compare"]
 

@@ -77,6 +77,10 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--dtype", default="auto", help="the dtype the engine serves (default auto: as the engine resolves --dtype auto; vLLM: config.json's, else the checkpoint's, float32 served as bfloat16 (give it on pre-Ampere GPUs); SGLang: config.json's, float32 served as float16)")
     v.add_argument("--vocab-padding", type=int, default=64, help="vocabulary padding (vLLM's DEFAULT_VOCAB_PADDING_SIZE, 64)")
     v.add_argument("--token", help="the engine's API key, sent as a bearer token (SGLang: the admin key; default $WCVIZ_ENGINE_TOKEN)")
+    v.add_argument(
+        "--algo", choices=("vllm-sha256", "sglang-gpu", "sglang-cpu"), default=None,
+        help="the engine's checksum (default: vllm-sha256 for vLLM, sglang-gpu for SGLang; sglang-cpu: an SGLang whose weights are on the CPU)",
+    )  # fmt: skip
     v.add_argument("--timeout", type=float, default=120.0, metavar="S", help="per-request timeout in seconds (default 120)")
     v.add_argument("--out", metavar="FILE", help="also write the verdict table here (.csv/.parquet/.json)")
     v.add_argument("--all", action="store_true", help="list matching rows too")
@@ -265,7 +269,7 @@ def _verify(args: argparse.Namespace) -> int:
     report = verify_engine(
         args.url, args.checkpoint, tp=args.tp, pp=args.pp, dp=args.dp, ep=args.ep, family=args.family, engine=args.engine,
         heads=args.heads, kv_heads=args.kv_heads, dtype=args.dtype, vocab_padding=args.vocab_padding,
-        token=args.token or os.environ.get("WCVIZ_ENGINE_TOKEN"), timeout_s=args.timeout,
+        token=args.token or os.environ.get("WCVIZ_ENGINE_TOKEN"), algo=args.algo, timeout_s=args.timeout,
     )  # fmt: skip
     if args.out:
         _write_verdicts(report.verdicts, args.out)

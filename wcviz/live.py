@@ -36,6 +36,16 @@ __all__ = ["ENGINES", "LiveReport", "checkpoint_config", "verify_engine"]
 
 ENGINES = ("auto", "vllm", "sglang")
 _ALGO = {"vllm": "vllm-sha256", "sglang": "sglang-gpu"}
+_ALGOS = {"vllm": ("vllm-sha256",), "sglang": ("sglang-gpu", "sglang-cpu")}  # what each engine's checker computes
+
+
+def _engine_algo(engine: str, algo: str) -> str:
+    """``algo`` when ``engine`` (``auto``: either) computes it, else a :class:`WcvizError` naming the ones it does."""
+    allowed = [a for e, algos in _ALGOS.items() if engine in ("auto", e) for a in algos]
+    if algo not in allowed:
+        whose = "vLLM's and SGLang's checkers compute" if engine == "auto" else f"{'vLLM' if engine == 'vllm' else 'SGLang'}'s checker computes"
+        raise WcvizError(f"{whose} {', '.join(allowed)}, not {algo!r} (sglang-cpu: an SGLang whose weights are on the CPU)")
+    return algo
 _FAMILY = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "mixtral": "mixtral"}  # config.json model_type -> family
 
 
@@ -180,6 +190,7 @@ def verify_engine(
     vocab_padding: int = 64,
     tie_embeddings: bool | None = None,
     token: str | None = None,
+    algo: str | None = None,
     timeout_s: float = 120.0,
     client: Any = None,
     transport: Any = None,
@@ -193,7 +204,10 @@ def verify_engine(
     (``/weights_checker``, ``token`` = its admin key) or ``auto``; the expected shards are
     cut as that engine lays them out. ``dtype="auto"`` is what that engine serves for
     ``--dtype auto`` (:func:`_engine_dtype`; on a vLLM older than Ampere GPUs give it).
-    ``layout``: more options of :func:`wcviz.layouts.expected_frame`. Read-only.
+    ``algo``: the engine's checksum (default: ``vllm-sha256`` for vLLM, ``sglang-gpu`` for
+    SGLang); give ``sglang-cpu`` for an SGLang whose weights live on the CPU (a CPU engine:
+    SGLang hashes a CPU tensor with SHA-256, ``mm_utils.py`` ``tensor_hash``). ``layout``:
+    more options of :func:`wcviz.layouts.expected_frame`. Read-only.
     """
     import torch
 
@@ -203,6 +217,8 @@ def verify_engine(
 
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
+    if algo is not None:
+        _engine_algo(engine, algo)  # before asking the engine anything
     net: dict[str, Any] = {"token": token, "timeout_s": timeout_s, "client": client, "transport": transport}
     config = checkpoint_config(checkpoint) if isinstance(checkpoint, (str, Path)) else {}
     if family is None:
@@ -222,9 +238,10 @@ def verify_engine(
     if dtype not in (None, "auto") and dtype not in dtypes:
         raise WcvizError(f"the served dtype {dtype!r} (--dtype) is not a torch dtype")
     found = _which_engine(url, net) if engine == "auto" else engine
-    which = found or "vllm"  # nothing answered: vLLM's fetch reports each rank unreachable, with the error
+    # nothing answered: vLLM's fetch (SGLang's, if an SGLang algo was given) reports each rank unreachable, with the error
+    which = found or ("sglang" if algo in _ALGOS["sglang"] else "vllm")
     label = found or "the engine (vllm or sglang: it did not answer)"
-    algo = _ALGO[which]
+    algo = _ALGO[which] if algo is None else _engine_algo(which, algo)
     served = _engine_dtype(config, dtype, which, checkpoint)  # --dtype as given, else one the engine serves
     expected = expected_frame(
         checkpoint, family, tp=tp, pp=pp, dp=dp, ep=ep, heads=heads, kv_heads=kv_heads, vocab_padding=vocab_padding,
@@ -241,7 +258,7 @@ def verify_engine(
     verdicts = worst_first(_ranked(_unreachable(verdicts, fetched.failed, actual), expected))
     assumed = {"family": family, "tp": tp, "pp": pp, "dp": dp, "ep": ep, "heads": heads, "kv_heads": kv_heads,
                "dtype": served or "as in the checkpoint", "vocab_padding": vocab_padding,
-               "algo": algo if found else f"{algo} (the engine did not answer: vLLM's checksum assumed)"}  # fmt: skip
+               "algo": algo if found else f"{algo} (the engine did not answer: {'SGLang' if which == 'sglang' else 'vLLM'}'s checksum assumed)"}  # fmt: skip
     return LiveReport(label, str(url).rstrip("/"), verdicts, fetched, expected, assumed)
 
 

@@ -13,7 +13,10 @@ Two more :class:`wcviz.endstate.Fleet` implementations, run by the same session:
 - :class:`SglangFleet`: SGLang's ``/weights_checker`` (SGLang 0.5.23): ``snapshot``, then
   ``reset_tensors`` (random values: nothing proves coverage, so a reload equal to its
   snapshot is ``unproven``, never ``match``; ``unwritten`` and ``corrupted`` stand), the
-  reload, and SGLang's own ``compare`` against its snapshot beside the verdicts.
+  reload, and SGLang's own ``compare`` against its snapshot beside the verdicts. SGLang
+  answers that compare for TP rank 0 of pipeline stage 0 of each DP scheduler only (the
+  other ranks compare too, but their failures are only logged), so its line says so; the
+  per-rank verdicts are what cover every rank.
 
 :func:`vllm_endstate` and :func:`sglang_endstate` run the whole check and return an
 :class:`EngineEndstate` (calling them is the opt-in). A fleet made by hand mutates a
@@ -190,6 +193,7 @@ class SglangFleet(_EngineFleet):
 
     reset_pattern = "unknown"
     engine = "SGLang"
+    compare_scope = "it answers for TP rank 0 of pipeline stage 0 of each DP replica only; wcviz's per-rank checksums cover every rank"
 
     def __init__(
         self,
@@ -246,14 +250,15 @@ class EngineEndstate(EndStateReport):
 
     compare: ActionResult | None = None
     engine: str = ""
+    compare_scope: str = ""  # which ranks the engine's own compare answers for, when not every rank
 
     @property
     def compare_line(self) -> str | None:
         """One line: what the engine's own compare said (``passed``, or ``FAILED:`` and why), or None if not run."""
         if self.compare is None:
             return None
-        if not self.compare.errors:
-            return f"{self.engine}'s own compare: passed"
+        if not self.compare.errors:  # a failure's message says where it was found
+            return f"{self.engine}'s own compare: passed{f' ({self.compare_scope})' if self.compare_scope else ''}"
         said = " ".join(" ".join(self.compare.errors.values()).split())
         return f"{self.engine}'s own compare: FAILED: {said[:400]}{'...' if len(said) > 400 else ''}"
 
@@ -274,8 +279,13 @@ def _native(fleet: VllmCheckerFleet | SglangFleet, compare: bool, allow_partial_
     notes = list(report.notes)
     if isinstance(fleet, SglangFleet) and compared is not None and compared.errors:
         notes.append("SGLang keeps its snapshot (a host copy of every weight) after a compare that failed: a compare that passes, or a restart, frees it")
+    elif isinstance(fleet, SglangFleet) and compared is not None and not set(report.verdicts["status"]) <= {"match", "unproven"}:
+        notes.append(
+            "SGLang's compare passed on TP rank 0 of pipeline stage 0, but the verdicts find problems: a rank whose own compare "
+            "failed (SGLang only logs it) keeps its snapshot (a host copy of every weight) until a compare passes there or a restart"
+        )
     fields = {f: getattr(report, f) for f in EndStateReport.__dataclass_fields__}
-    return EngineEndstate(**{**fields, "notes": notes}, compare=compared, engine=fleet.engine)
+    return EngineEndstate(**{**fields, "notes": notes}, compare=compared, engine=fleet.engine, compare_scope=getattr(fleet, "compare_scope", ""))
 
 
 def vllm_endstate(

@@ -207,11 +207,37 @@ def _overall(checksums: Mapping[str, str]) -> str:  # weight_checker.overall_che
     return h.hexdigest()
 
 
+def _invalid_request(body: Any) -> str | None:
+    """What SGLang's pydantic validation of ``CheckWeightsReqInput`` refuses (io_struct.py: ``action: str``,
+    ``allow_quant_error: bool``, ``skip_tensor_list: Optional[List[str]]``, ``selector: Literal["target", "draft",
+    "all"]``), as a message; None when the body parses."""
+    if not isinstance(body, dict):
+        return f"1 validation error for CheckWeightsReqInput\n  Input should be an object [type=model_type, input_value={body!r}]"
+    problems = []
+    if not isinstance(body.get("action", "checksum"), str):
+        problems.append(("action", "Input should be a valid string"))
+    if not isinstance(body.get("allow_quant_error", False), bool):
+        problems.append(("allow_quant_error", "Input should be a valid boolean"))
+    skip = body.get("skip_tensor_list")
+    if skip is not None and (not isinstance(skip, list) or not all(isinstance(s, str) for s in skip)):
+        problems.append(("skip_tensor_list", "Input should be a valid list of strings"))
+    if body.get("selector", "all") not in ("target", "draft", "all"):
+        problems.append(("selector", "Input should be 'target', 'draft' or 'all'"))
+    if not problems:
+        return None
+    lines = [f"{len(problems)} validation error{'s' if len(problems) > 1 else ''} for CheckWeightsReqInput"]
+    lines += [f"{field}\n  {msg} [input_value={body.get(field)!r}]" for field, msg in problems]
+    return "\n".join(lines)
+
+
 class SimSglang(_Served):
     """An SGLang 0.5.23 server's ``POST /weights_checker`` over simulated ranks.
 
-    ``dp`` data-parallel schedulers of ``tp`` x ``pp`` ranks; only pipeline stage 0
-    answers. ``draft``: a draft model's config (speculative decoding: role ``draft``,
+    ``dp`` data-parallel schedulers of ``tp`` x ``pp`` ranks. Every rank runs an action;
+    the answer is TP rank 0 of pipeline stage 0's (per DP scheduler: its ``success`` and
+    ``message``; for ``checksum``, the all_gather of stage 0's TP group), as SGLang answers:
+    another rank's failure is only logged there. A body SGLang's pydantic model refuses is
+    HTTP 400 with SGLang's generic error shape. ``draft``: a draft model's config (speculative decoding: role ``draft``,
     its keys prefixed ``draft.``). ``admin_api_key``/``api_key``: the server's keys
     (the route is ``ADMIN_OPTIONAL``). ``device``: ``cuda`` (checksums by SGLang's
     Triton kernel, ``sglang-gpu``) or ``cpu`` (``sglang-cpu``). ``legacy_info``: answer
@@ -315,7 +341,10 @@ class SimSglang(_Served):
             self.requests.append({"path": "/weights_checker", "body": body, "headers": dict(request.headers)})
             if not allowed(request.headers.get("authorization")):
                 return JSONResponse({"error": "Unauthorized"}, status_code=401)
-            body = body or {}
+            body = {} if body is None else body
+            invalid = _invalid_request(body)
+            if invalid is not None:  # FastAPI's RequestValidationError -> http_server.py:635-691: 400, ErrorResponse
+                return JSONResponse({"object": "error", "message": invalid, "type": "Bad Request", "param": None, "code": 400}, status_code=400)
             action, selector = body.get("action", "checksum"), body.get("selector", "all")
             skip = body.get("skip_tensor_list") or []
             results: list[tuple[bool, str, list[dict[str, Any]] | None]] = []  # one CheckWeightsReqOutput per DP scheduler
@@ -324,13 +353,20 @@ class SimSglang(_Served):
                     if d in self.failing:
                         results.append((False, f"check_weights failed on DP rank {d}", None))
                         continue
-                    try:
-                        if selector not in ("target", "draft", "all"):
-                            raise ValueError(f"invalid selector {selector!r}; expected 'target', 'draft', or 'all'")
-                        payload = [p for t in range(self.tp) if (p := self._handle(action, selector, skip, (d, 0, t))) is not None]
-                        results.append((True, "Success.", payload or None))
-                    except Exception as e:  # noqa: BLE001 - the scheduler answers its error as the message
-                        results.append((False, f"{e}", None))
+                    # Every rank runs the action; only TP rank 0 of pipeline stage 0 has a socket to the
+                    # tokenizer (scheduler.py:816-839, ipc_channels.py:36-72; the others' SenderWrapper(None)
+                    # drops its output, output_sender.py:17-18), so another rank's failure is only logged.
+                    # checksum all_gathers the TP group of stage 0 (weight_updater.py:436-442).
+                    outcome: dict[tuple[int, int], tuple[bool, str, dict[str, Any] | None]] = {}
+                    for p in range(self.pp):
+                        for t in range(self.tp):
+                            try:
+                                outcome[(p, t)] = (True, "Success.", self._handle(action, selector, skip, (d, p, t)))
+                            except Exception as e:  # noqa: BLE001 - the scheduler answers its error as the message
+                                outcome[(p, t)] = (False, f"{e}", None)
+                    ok, message, _ = outcome[(0, 0)]
+                    gathered = [g for t in range(self.tp) if (g := outcome[(0, t)][2]) is not None] if ok else []
+                    results.append((ok, message, gathered or None))
             success = all(ok for ok, _, _ in results)
             out: dict[str, Any] = {"success": success, "message": " | ".join(m for _, m, _ in results)}
             if any(p is not None for _, _, p in results):

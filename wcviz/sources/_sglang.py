@@ -18,11 +18,16 @@ Only pipeline stage 0 answers: the ranks of later stages are listed here as not
 reported (``unreachable``), so a pipelined engine's result is never complete. A draft
 model's keys carry its role as a prefix (``draft.``, ``draft_step_0.``); each role's
 rows get that ``role`` and the bare name, so target and draft stay apart. Actions other
-than ``checksum`` answer only ``success``/``message``: 200 acknowledges the action for
-the whole engine, 400 is an engine-wide failure with SGLang's message (for ``compare``,
-the names that differ; with no snapshot taken, an empty message). Every failure of a DP
-scheduler fails the whole answer (``success`` false), though the other schedulers' ranks
-still come with it.
+than ``checksum`` answer only ``success``/``message``, and only for TP rank 0 of pipeline
+stage 0 of each DP scheduler: every rank runs the action, but only that rank has a socket
+to the tokenizer (``scheduler.py`` ``is_rank_zero``, ``ipc_channels.py``), so another
+rank's failure is only logged in SGLang. 200 says that rank did it; 400 is its failure
+with SGLang's message (for ``compare``, the names that differ on that rank; with no
+snapshot taken, an empty message - joined by `` | `` across DP schedulers). Only
+``checksum`` gathers every TP rank: wcviz's per-rank checksums are what cover every rank.
+Every failure of a DP scheduler fails the whole answer (``success`` false), though the
+other schedulers' ranks still come with it. ``selector="draft"`` on an engine with no
+draft model runs nothing and answers ``success`` without ``ranks``.
 
 SGLang's checksum of a CUDA tensor is ``sglang-gpu``, of a CPU tensor ``sglang-cpu``
 (:mod:`wcviz.digest`); rows are labelled ``algo`` (``sglang-gpu`` by default: SGLang
@@ -65,6 +70,8 @@ SELECTORS = ("target", "draft", "all")
 _INFO_FIELDS = ("role", "tp_rank", "tp_size", "dp_rank", "dp_size", "pp_rank", "pp_size", "rank", "size")
 _HEX16 = re.compile(r"^[0-9a-f]{16}$")
 _MISMATCH = re.compile(r"name=(\S+) max_abs_err=")
+_SCOPE = "on TP rank 0 of pipeline stage 0, the only rank SGLang answers for (per DP scheduler)"
+_NO_SNAPSHOT = "no snapshot was taken (or it was used by an earlier compare)"
 _MISSING = f"this SGLang has no /weights_checker with a checksum action (wcviz reads SGLang {SGLANG_VERSION}'s)"
 
 
@@ -245,7 +252,9 @@ def from_sglang(
     ranks = data.get("ranks")
     if ranks is None:
         ranks = []
-        if ok:
+        if ok and selector == "draft":  # weight_updater.py:178-185: no draft worker, no runner, no payload (433)
+            failed.append({"url": base, "kind": "empty", "error": "the engine has no draft model: selector='draft' checked nothing"})
+        elif ok:
             failed.append({"url": base, "kind": "failed", "error": f"checksum answered success without ranks (not SGLang {SGLANG_VERSION}'s answer): {str(data)[:200]}"})
     if not isinstance(ranks, list):
         return assemble([], [*failed, {"url": base, "kind": "failed", "error": f"ranks is {type(ranks).__name__}, not a list"}])
@@ -286,9 +295,12 @@ def sglang_action(
 ) -> ActionResult:
     """Run ``snapshot``, ``reset_tensors`` or ``compare`` on the whole engine; one target, the engine's URL.
 
-    HTTP 200 (``success`` true, no payload) acknowledges the action for every rank; 400
-    is an engine-wide failure with SGLang's message (a ``compare`` that found
-    differences names them; :func:`sglang_compare_mismatches` reads them out). No answer
+    Every rank runs the action, but SGLang answers for TP rank 0 of pipeline stage 0 of
+    each DP scheduler only (its other ranks' failures are only logged): HTTP 200
+    (``success`` true, no payload) says those ranks did it, 400 is their failure with
+    SGLang's message (a ``compare`` that found differences there names them;
+    :func:`sglang_compare_mismatches` reads them out). Per-rank checksums
+    (:func:`from_sglang`) are what cover every rank. No answer
     is ``unreachable``. ``reset_tensors`` writes random values into every weight:
     DESTRUCTIVE; ``snapshot`` keeps a host copy of every weight in SGLang until a
     ``compare`` succeeds. Raises :class:`EngineEndpointError` for a missing route or a
@@ -312,8 +324,12 @@ def sglang_action(
         return out
     if ok:
         out.answers[base] = data
-    elif action == "compare" and not data["message"]:
-        out.errors[base] = "SGLang's compare failed without a message: no snapshot was taken (or it was used by an earlier compare)"
+    elif action == "compare" and not any(data["message"].split(" | ")):  # one empty message per DP scheduler, joined
+        out.errors[base] = f"SGLang's compare failed without a message {_SCOPE}: {_NO_SNAPSHOT}"
     else:
-        out.errors[base] = f"{action} failed: {data['message'] or '(no message)'}"
+        parts = data["message"].split(" | ")
+        said = data["message"] or "(no message)"
+        if action == "compare" and "" in parts:  # some DP schedulers' TP rank 0 had no snapshot: an empty message
+            said = " | ".join(p or f"(empty: {_NO_SNAPSHOT})" for p in parts)
+        out.errors[base] = f"{action} failed {_SCOPE}: {said}"
     return out
