@@ -75,7 +75,7 @@ def test_a_fake_tensor_a_zero_tensor_and_a_lazy_parameter_are_refused_by_name() 
 
 def test_a_subclass_over_real_storage_digests_as_its_plain_tensor() -> None:
     class Tagged(torch.Tensor):
-        pass
+        """A subclass that adds nothing but its name: its bytes are its own storage."""
 
     x = torch.arange(4096, dtype=torch.float32).reshape(64, 64)
     tagged = x.as_subclass(Tagged)

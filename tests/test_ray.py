@@ -75,13 +75,15 @@ class ShardWorker(WcvizWorkerExtension):
 
         raise ray.exceptions.GetTimeoutError("a ray.get of its own, inside the method, timed out")
 
-    def resized(self, extra: int, name_regex: str | None = None) -> dict[str, Any]:
+    def resized(self, extra: int, name_regex: str | None = None, uncounted: bool = False) -> dict[str, Any]:
         """The extension's own answer (its info counts every parameter) with ``extra`` rows more (renamed copies)
-        or, below 0, fewer: a digest table that lost or gained rows on the way."""
+        or, below 0, fewer: a digest table that lost or gained rows on the way. ``uncounted``: its info's
+        ``params`` is None (the count wcviz_info gave still stands)."""
         answer = self.wcviz_digests(name_regex)
         rows = answer["rows"]
         rows = rows[:extra] if extra < 0 else rows + [{**r, "name": f"{r['name']}.copy"} for r in rows[:extra]]
-        return {**answer, "rows": rows}
+        info = {**answer["info"], "params": None} if uncounted else answer["info"]
+        return {**answer, "info": info, "rows": rows}
 
     def holds_nothing(self, name_regex: str | None = None) -> dict[str, Any]:
         """An answer with no rows and an info that does not count parameters: a rank whose weights are released."""
@@ -191,7 +193,8 @@ def test_a_row_count_other_than_the_info_counts_fails_the_actor(actors: list[Any
     cannot be trusted to say what it holds, and is no pass; a name filter chooses rows on purpose."""
     n = len(shard_of(0)[0].params)
     for extra in (-2, 1):
-        for kwargs in ({}, {"name_regex": None}):  # a filter of None filters nothing
+        # a filter of None filters nothing; an answer whose own info gives no count is held to wcviz_info's
+        for kwargs in ({}, {"name_regex": None}, {"uncounted": True}):
             res = from_ray_actors(actors[:1], "resized", extra=extra, **kwargs)
             assert not res.complete and res.failed["kind"].tolist() == ["failed"], (extra, kwargs, res.summary)
             assert res.failed["error"].iloc[0] == f"the actor counts {n} parameters but resized gave {n + extra} rows"

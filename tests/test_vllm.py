@@ -517,8 +517,8 @@ def test_parameters_whose_bytes_live_in_inner_tensors_are_listed_as_vllms_checke
 
     from torch.testing._internal.two_tensor import TwoTensor
 
-    class SharedWeightParameter(torch.nn.Parameter):  # as vllm/model_executor/parameter.py builds it: no data
-        pass
+    class SharedWeightParameter(torch.nn.Parameter):
+        """As vllm/model_executor/parameter.py builds it: no data of its own, its bytes in ``partitions``."""
 
     def vllm_checker(model: torch.nn.Module) -> dict[str, str]:  # weight_checksum.py, as written there
         from torch.utils._python_dispatch import is_traceable_wrapper_subclass

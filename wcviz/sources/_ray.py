@@ -198,7 +198,9 @@ def from_ray_actors(
                     if info is not None and key_of(claimed) != key_of(ident):
                         raise Failed(f"{method} answered as rank {key_of(claimed)} but {info_method} said {key_of(ident)}")
                     ident, info = claimed, info or dict(value["info"])
-                    counted = value["info"] if "params" in value["info"] else counted
+                    params = value["info"].get("params")
+                    if isinstance(params, int) and not isinstance(params, bool):  # its own count, when it gives one
+                        counted = value["info"]
                 if "error" in value:
                     raise Failed(f"{method} failed on this actor: {value['error']}")
                 rows = value.get("rows")
