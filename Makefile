@@ -1,5 +1,5 @@
 # Two commands set everything up: `make demo` and `make test`. Both create .venv
-# when it is missing and install the project into it.
+# when it is missing and install the project into it (~3.3 GB; pip keeps no cache of it).
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -9,8 +9,10 @@ STAMP := $(VENV)/.installed
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[test,notebook,ray]'
+	$(BIN)/python -m pip install --quiet --no-cache-dir --upgrade pip
+	$(BIN)/python -m pip install --quiet --no-cache-dir -c constraints.txt -e '.[test,notebook,ray]' \
+	  || { echo "pip install failed. The venv takes ~3.3 GB (torch, triton, ray); free space here:" >&2; \
+	       df -h . >&2; exit 1; }
 	touch $(STAMP)
 
 demo: $(STAMP)

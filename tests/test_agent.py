@@ -496,3 +496,52 @@ def test_clients_that_stop_reading_lose_their_slots_and_a_slow_reader_is_still_s
         for s in stuck:
             s.close()
         agent.stop()
+
+
+@pytest.mark.parametrize(
+    ("coords", "said"),
+    [({"rank": -1}, "rank=-1 is not a coordinate"), ({"rank": 0, "tp": -1}, "tp=-1 is not a coordinate"),
+     ({"rank": 0, "tp": "1"}, "tp must be an integer coordinate, got '1'"), ({"rank": True}, "rank must be an integer"),
+     ({"rank": 0, "tp": 1.5}, "tp must be an integer"), ({"rank": 0, "dp": True}, "dp must be an integer")],
+)  # fmt: skip
+def test_an_agent_refuses_coordinates_no_client_would_accept(coords: dict, said: str) -> None:
+    """An identity every fetch would refuse (or, for rank=True, silently read as rank 1) is refused at construction."""
+    with pytest.raises(ValueError, match=re.escape(said)):
+        Agent(lambda: {}, role="engine", **coords)
+
+
+def test_an_agent_takes_numpy_integer_coordinates_as_ints() -> None:
+    import numpy as np
+
+    agent = Agent(lambda: {}, role="engine", rank=np.int64(3), tp=np.int32(1))
+    assert agent.rank == 3 and agent.coords["tp"] == 1 and type(agent.coords["tp"]) is int
+
+
+@pytest.mark.parametrize(
+    ("option", "said"),
+    [({"header_timeout_s": float("nan")}, "header_timeout_s must be a finite number"), ({"header_timeout_s": "5"}, "header_timeout_s"),
+     ({"max_connections": float("inf")}, "max_connections must be an integer"), ({"max_connections": 2.9}, "max_connections"),
+     ({"token": "s3cret\n", "allow_mutations": True}, "whitespace")],
+)  # fmt: skip
+def test_an_agent_refuses_options_that_would_switch_its_guards_off(option: dict, said: str) -> None:
+    """NaN left the header deadline off (and stop() hanging); a token with a newline could never be matched."""
+    with pytest.raises(ValueError, match=said):
+        Agent(lambda: {}, role="engine", rank=0, **option)
+
+
+@pytest.mark.parametrize(
+    ("url", "said"),
+    [("http://127.0.0.1:8000/v1", "it has a path"), ("http://127.0.0.1:8000/?x=1", "it has a query"),
+     ("http://127.0.0.1:8000#frag", "it has a fragment"), ("http://user:pw@127.0.0.1:8000", "user name or password")],
+)  # fmt: skip
+def test_an_agent_url_is_host_and_port_only(url: str, said: str) -> None:
+    with pytest.raises(ValueError, match=said) as info:
+        fetch([url], timeout_s=1, retries=0)
+    assert "pw" not in str(info.value)
+
+
+def test_retries_back_off_to_at_most_two_seconds() -> None:
+    from wcviz.sources._fleet import backoff_s
+
+    pauses = [backoff_s(k) for k in range(1, 40)]
+    assert pauses[:3] == [0.1, 0.2, 0.4] and max(pauses) == 2.0 and sum(pauses) < 2.0 * 39

@@ -243,11 +243,22 @@ def test_cluster_without_opt_in_refuses_the_check() -> None:
         ({"layout": EngineLayout(tp=1, pp=4)}, ValueError, "pp_size 4 exceeds ModelConfig.layers"),
         ({"verify": "sometimes"}, ValueError, "sometimes"),
         ({"timeout_s": 0}, ValueError, "timeout_s"),
+        # each of these used to be accepted here and refused only by the spawned ranks, after start-up timed out
+        ({"algo": "md5"}, ValueError, "algo: unknown digest algorithm 'md5'; choose one of nemo-rl-v3, "),
+        ({"token": "", "allow_mutations": True}, ValueError, "token must not be empty with allow_mutations=True"),
+        ({"token": 7}, TypeError, "token must be a string, got int"),
+        ({"buffer_bytes": 100}, ValueError, "invalid value for buffer_bytes: 100; it must be an integer number of bytes >= 512"),
+        ({"buffer_bytes": 4096.0}, ValueError, "invalid value for buffer_bytes: 4096.0"),
     ],
 )
 def test_bad_cluster_arguments(kwargs: dict, error: type, match: str) -> None:
     with pytest.raises(error, match=match):
         Cluster(TINY, **{"layout": LAYOUT, **kwargs})
+
+
+def test_good_cluster_arguments_are_kept_as_given() -> None:
+    c = Cluster(TINY, LAYOUT, algo="vllm-sha256", buffer_bytes=512, token="", timeout_s=5)  # no mutations: no token needed
+    assert (c.algo, c.buffer_bytes, c.token, c.running) == ("vllm-sha256", 512, "", False)
 
 
 def test_bad_fault_arguments(cluster: Cluster) -> None:

@@ -143,6 +143,41 @@ def test_headers_with_repeated_keys_are_refused_and_the_rest_agree_with_the_libr
     _agrees_with_the_library(path, entries)
 
 
+any_text = st.text(alphabet=st.characters(exclude_categories=()), max_size=6)  # lone surrogates included
+digits = st.sampled_from([1, 2, 4300, 4301, 6000])  # Python's json refuses an integer of more than 4300 digits
+
+
+@FUZZ
+@given(name=any_text, meta=any_text, n=digits, raw_utf8=st.booleans())
+def test_headers_python_or_the_library_cannot_read_are_refused(tmp_path: Path, name: str, meta: str, n: int, raw_utf8: bool) -> None:
+    """Names with lone surrogates (as ``\\ud800`` escapes, or as their bytes) and numbers past Python's digit limit:
+    refused naming the file, or read as the safetensors library reads them."""
+    def text(s: str) -> bytes:  # raw_utf8: a surrogate as its (invalid) UTF-8 bytes, else as a JSON escape
+        return json.dumps(s, ensure_ascii=not raw_utf8).encode("utf-8", "surrogatepass")
+
+    shape = b"1" + b"0" * (n - 1)
+    header = b'{"__metadata__": {"k": ' + text(meta) + b"}, " + text(name) + b': {"dtype": "U8", "shape": [' + shape + b'], "data_offsets": [0, 1]}}'
+    path = _write(tmp_path, header, b"\0")
+    try:
+        entries = read_header(path)
+    except CheckpointError as e:
+        assert str(path) in str(e)
+        return
+    _agrees_with_the_library(path, entries)
+
+
+@FUZZ
+@given(name=any_text, shard=any_text, n=digits)
+def test_index_files_python_cannot_read_are_refused(tmp_path: Path, name: str, shard: str, n: int) -> None:
+    (tmp_path / "model.safetensors.index.json").write_text(
+        f'{{"metadata": {{"total_size": 1{"0" * (n - 1)}}}, "weight_map": {{{json.dumps(name)}: {json.dumps(shard)}}}}}'
+    )
+    try:
+        checkpoint_files(tmp_path)
+    except CheckpointError as e:
+        assert "model.safetensors.index.json" in str(e)
+
+
 @FUZZ
 @given(index=json_values)
 def test_arbitrary_index_files(tmp_path: Path, index: Any) -> None:

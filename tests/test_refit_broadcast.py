@@ -220,6 +220,22 @@ def _scenarios() -> list[dict[str, Any]]:
         {"name": "refused duplicate", "verify": "enforce", "refused": "duplicate"},
         {"name": "refused not a tensor", "verify": "log", "refused": "not a tensor"},
         {"name": "refused expected", "verify": "enforce", "send_kwargs": {"expected": [NORM, "model.unknown.weight"]}},
+        # the trainer cannot build its sender (a plan it refuses) while the engines already wait in prepare's barrier
+        {"name": "unbuildable sender", "verify": "log", "faults": FaultPlan((Fault("flip_bit", "sender_after_digest", (Q,), ranks=(2,)),))},
+        # a fault on a parameter that is not sent (a typo, or one left out of this refit) would break nothing
+        {"name": "fault on a name never sent", "verify": "enforce", "faults": FaultPlan((Fault("flip_bit", "wire", ("model.nrom.weight",)),))},
+        {
+            "name": "fault on a name not sent this time",
+            "verify": "log",
+            "send": [LN, Q],
+            "send_kwargs": {"partial": True},
+            "faults": FaultPlan((Fault("drop_param", "receiver_before_load", (NORM,), ranks=(1,)),)),
+        },
+        # the caller's names for the ranks (a cluster numbers its engines from 0), in warnings and errors
+        {"name": "labelled log", "verify": "log", "label": True, "faults": FaultPlan((Fault("flip_bit", "wire", (NORM,), ranks=(2,)),))},
+        {"name": "labelled enforce", "verify": "enforce", "label": True, "faults": FaultPlan((Fault("flip_bit", "wire", (NORM,), ranks=(2,)),))},
+        {"name": "labelled no digests", "verify": "log", "label": True, "engine_verify": {2: "off"}},
+        {"name": "labelled stale", "verify": "enforce", "label": True, "stale": 2},
         {"name": "dead before stream", "verify": "log", "dead": 2, "barrier_timeout_s": DEAD_TIMEOUT_S},
         # rank 1 reaches this barrier up to GROUP_TIMEOUT_S after rank 0 (it waited out the scenario before), so
         # the barrier waits longer; the stream's collectives run under the small group's SUB_TIMEOUT_S
@@ -275,6 +291,11 @@ class _Counters:
         self.digests, self.gathered = 0, []
 
 
+def _label(rank: int) -> str:
+    """Global ranks as a caller that numbers its engines from 0 names them."""
+    return "trainer" if rank == 0 else f"engine rank {rank - 1}"
+
+
 def _error(e: BaseException) -> dict[str, Any]:
     return {"type": type(e).__name__, "mro": [c.__name__ for c in type(e).__mro__], "message": str(e)}
 
@@ -287,16 +308,21 @@ def _refused(kind: str, weights: dict[str, torch.Tensor]) -> list[tuple[str, Any
 
 
 def _run_sender(sc: dict[str, Any], group: Any, warnings: list[str]) -> dict[str, Any]:
-    from wcviz.refit.broadcast import BroadcastDigestMismatch, BroadcastSender
+    from wcviz.refit.broadcast import BroadcastDigestMismatch, BroadcastSender, abort_before_prepare
 
-    sender = BroadcastSender(
-        verify=sc["verify"],
-        src=0,
-        group=group,
-        buffer_bytes=BUFFER,
-        faults=sc.get("faults"),
-        timeout_s=sc.get("barrier_timeout_s"),
-    )
+    try:
+        sender = BroadcastSender(
+            verify=sc["verify"],
+            src=0,
+            group=group,
+            buffer_bytes=BUFFER,
+            faults=sc.get("faults"),
+            timeout_s=sc.get("barrier_timeout_s"),
+            rank_label=_label if sc.get("label") else None,
+        )
+    except ValueError as e:  # what a trainer does when it cannot build its sender: tell the engines, waiting in prepare
+        abort_before_prepare(f"{type(e).__name__}: {e}", group=group, timeout_s=sc.get("barrier_timeout_s"))
+        return {"error": _error(e)}
     record: dict[str, Any] = {}
     sender.prepare()
     t0 = time.monotonic()
@@ -350,6 +376,7 @@ def _run_engine(rank: int, sc: dict[str, Any], group: Any, q: Any) -> dict[str, 
         group=group,
         faults=sc.get("faults"),
         timeout_s=sc.get("barrier_timeout_s"),
+        rank_label=_label if sc.get("label") else None,
     )
     me.append(receiver)
     receiver.prepare()
@@ -621,7 +648,7 @@ def test_an_engine_whose_metadata_changed_after_prepare_is_named_not_passed(worl
 def test_an_engine_that_sends_no_digests_is_a_protocol_error_naming_it(world):
     sent = rec(world, "no digests", 0)
     assert sent["error"]["type"] == "RefitProtocolError"
-    assert "no digests" in sent["error"]["message"] and "rank(s) 2 " in sent["error"]["message"]
+    assert "verification is on but rank 2 sent no digests" in sent["error"]["message"]
     assert rec(world, "no digests", 2)["digests"] == 0 and rec(world, "no digests", 1)["digests"] > 0
     for rank in ENGINES:  # the bytes still arrived
         assert differing(rec(world, "no digests", rank)["state"]) == set()
@@ -688,6 +715,56 @@ def test_input_the_sender_refuses_aborts_every_engine_at_once(world, name, error
         assert f"{error}: {reason}" in message and "peer is dead" not in message
         assert got["elapsed"] < GROUP_TIMEOUT_S / 3, f"rank {rank} waited {got['elapsed']:.1f}s"
         assert got["state"] == untouched and got["gathered"] == []  # nothing loaded, no report
+
+
+def test_a_trainer_that_cannot_build_its_sender_aborts_every_engine_at_prepare(world):
+    """The trainer raised before prepare's barrier: the engines waited there out the group's timeout, and the group
+    was broken for every later refit. Now they are told why at once, and the next scenarios run as usual."""
+    sent = rec(world, "unbuildable sender", 0)
+    assert sent["error"]["type"] == "ValueError" and "cannot be limited to ranks [2]" in sent["error"]["message"]
+    for rank in ENGINES:
+        got = rec(world, "unbuildable sender", rank)
+        assert got["error"]["type"] == "RefitProtocolError", got["error"]
+        message = got["error"]["message"]
+        assert message.startswith("refit broadcast: the sender aborted the refit at prepare (ValueError: fault flip_bit")
+        assert "peer is dead" not in message
+    nxt = rec(world, "labelled log", 0)
+    assert "error" not in nxt and nxt["ranks"] == list(ENGINES), nxt.get("error")
+
+
+def test_a_fault_on_a_parameter_not_sent_is_refused_naming_the_nearest(world):
+    """A misspelt fault was a silent no-op: the refit verified, as if the fault had been caught or tried."""
+    sent = rec(world, "fault on a name never sent", 0)
+    assert sent["error"]["type"] == "ValueError", sent.get("error")
+    assert sent["error"]["message"].startswith(  # the nearest names sent, closest first
+        f"fault flip_bit at wire names 'model.nrom.weight', which is not among the {len(SPECS)} parameters sent "
+        f"(nearest: {NORM}, "
+    )
+    untouched = {n: raw(t) for n, t in TinyLlama().weights().items()}
+    for rank in ENGINES:
+        got = rec(world, "fault on a name never sent", rank)
+        assert got["error"]["type"] == "RefitProtocolError" and "the sender aborted the stream" in got["error"]["message"]
+        assert "names 'model.nrom.weight'" in got["error"]["message"] and got["state"] == untouched
+    partial = rec(world, "fault on a name not sent this time", 0)
+    assert partial["error"]["type"] == "ValueError", partial.get("error")
+    assert f"fault drop_param at receiver_before_load names '{NORM}', which is not among the 2 parameters sent" in partial["error"]["message"]
+
+
+def test_ranks_are_named_by_the_callers_label_in_warnings_and_errors(world):
+    """A cluster numbers its engines from 0: "rank 2" in its errors was engine rank 1."""
+    logged = rec(world, "labelled log", 0)
+    assert logged["bad"] == {2: {"mismatched": (NORM,)}}  # the result stays keyed by global rank
+    assert logged["warnings"] == [f"refit broadcast: engine rank 1: {NORM} differs between sender and receiver"]
+    enforced = rec(world, "labelled enforce", 0)["error"]
+    assert enforced["type"] == "BroadcastDigestMismatch", enforced
+    assert enforced["message"].startswith("engine rank 1: refit verification failed for 1 of") and "rank 2" not in enforced["message"]
+    silent = rec(world, "labelled no digests", 0)["error"]
+    assert "verification is on but engine rank 1 sent no digests" in silent["message"], silent
+    stale = rec(world, "labelled stale", 0)["error"]
+    assert stale["type"] == "RefitProtocolError" and "engine rank 1: this engine's metadata changed since prepare()" in stale["message"]
+    assert "rank 2" not in stale["message"]
+    engine = rec(world, "labelled stale", 2)["error"]
+    assert engine["message"].startswith("refit broadcast: engine rank 1: this engine's metadata changed"), engine
 
 
 def test_a_peer_dead_before_the_stream_is_named_within_the_timeout(world):
@@ -775,3 +852,5 @@ def test_broadcast_mismatch_pickles_with_every_rank():
     assert isinstance(e, RefitDigestMismatch) and e.ranks == (2,) and e.result == r2
     assert str(e).startswith("rank 2: ") and "w" in str(e) and "rank 1" not in str(e)
     assert e.broadcast.bad == {2: ["w"]} and not e.broadcast.ok
+    named = pickle.loads(pickle.dumps(BroadcastDigestMismatch(e.broadcast, {1: "engine rank 0", 2: "engine rank 1"})))
+    assert str(named).startswith("engine rank 1: ") and "rank 2" not in str(named) and named.ranks == (2,)

@@ -912,6 +912,32 @@ def test_an_impossible_expected_list_is_refused_before_anything_is_sent() -> Non
     assert ops[: len(cases) + 1] == ["prepare"] * (len(cases) + 1) and served and set(served[0]) == set(SUBSET)
 
 
+def test_a_fault_on_a_parameter_not_sent_is_refused_before_anything_is_sent() -> None:
+    """A misspelt fault (or one on a parameter this refit leaves out) was a silent no-op: the refit passed."""
+    import threading
+
+    wire: list[tuple[str, dict[str, Any]]] = []
+    served: list[Any] = []
+    typo = FaultPlan([Fault("flip_bit", "wire", ("model.nrom.weight",))])
+    with IPCSender(verify="enforce", faults=typo, timeout_s=10, wire_log=wire) as sender:
+        receiver = IPCReceiver(sender.address, META, lambda batch: None, verify="enforce", timeout_s=10)
+        engine = threading.Thread(target=lambda: served.append(receiver.serve()))
+        engine.start()
+        try:
+            with pytest.raises(ValueError, match=rf"^fault flip_bit at wire names 'model.nrom.weight', which is not among the {len(MODEL)} parameters sent \(nearest: {NORM}"):
+                sender.send(MODEL)
+            sender.faults = FaultPlan([Fault("drop_param", "sender_after_digest", (NORM,))])
+            with pytest.raises(ValueError, match=f"names '{NORM}', which is not among the {len(SUBSET)} parameters sent"):
+                sender.send(SUBSET, partial=True)  # a real name, left out of this refit
+            sender.faults = FaultPlan()
+            assert sender.send(SUBSET, partial=True).ok  # the receiver is still at the start of its stream
+        finally:
+            engine.join(20)
+            receiver.close()
+    ops = [m["op"] for d, m in wire if d == "send"]
+    assert ops[:3] == ["prepare"] * 3 and served and set(served[0]) == set(SUBSET)
+
+
 def test_one_element_strided_views_travel_like_their_copies(worker: Worker) -> None:
     big = torch.arange(64, dtype=torch.float32).reshape(8, 8)
     views = {n: t.clone() for n, t in MODEL.items()}

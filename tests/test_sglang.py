@@ -211,7 +211,10 @@ def test_an_altered_answer_is_refused_rank_by_rank() -> None:
     assert res.answered == 1 and not res.complete
     errors = " ".join(res.failed["error"])
     assert "per_gpu_checksum is not the sha256 of its checksums" in errors
-    assert f"{url} ranks[1]" in set(res.failed["url"])
+    # the tampered entry's own parallelism_info held up: the failure is named by that rank, and only once (never
+    # a second "not reported" row for the same TP rank, nor a rank without coordinates)
+    (row,) = res.failed.to_dict(orient="records")
+    assert row["url"] == f"{url} dp=0 pp=0 tp=1" and (row["kind"], row["rank"], row["dp"], row["pp"], row["tp"]) == ("failed", 1, 0, 0, 1)
 
 
 def test_actions_answer_for_tp_rank_0_of_stage_0_and_compare_names_what_differs() -> None:

@@ -280,6 +280,24 @@ def test_engine_layout_ranks_are_vllm_ordered() -> None:
         lay.coords(12)
 
 
+@pytest.mark.parametrize(
+    ("sizes", "field"),
+    [({"tp": 1.5, "pp": 1}, "tp"), ({"tp": True, "pp": 1}, "tp"), ({"tp": 2, "pp": 1, "dp": 2.0}, "dp"),
+     ({"tp": 1, "pp": "2"}, "pp"), ({"tp": 1, "pp": None}, "pp")],
+)  # fmt: skip
+def test_engine_layout_sizes_are_integers_named_when_not(sizes: dict, field: str) -> None:
+    """EngineLayout(tp=1.5) had a world size of 1.5; tp=True passed as 1; the error came later, naming no field."""
+    with pytest.raises(ValueError, match=rf"^EngineLayout\.{field} must be an integer >= 1, got {sizes[field]!r}$"):
+        EngineLayout(**sizes)
+
+
+def test_engine_layout_takes_any_integer_and_keeps_a_plain_int() -> None:
+    import numpy as np
+
+    lay = EngineLayout(tp=np.int64(2), pp=1)
+    assert type(lay.tp) is int and lay.world_size == 2 and lay == EngineLayout(tp=2, pp=1)
+
+
 # --- loader faults ---------------------------------------------------------------
 
 

@@ -534,6 +534,31 @@ def _metadata_value_not_a_string(tmp_path):
     return _raw_file(tmp_path / "meta2.safetensors", hdr, b"\0" * 4), ["__metadata__", "'step'", "not a string"]
 
 
+def _shape_past_python_s_digit_limit(tmp_path):
+    # json.loads refuses an integer of more than 4300 digits with a plain ValueError
+    hdr = '{"w.big":{"dtype":"U8","shape":[1' + "0" * 5000 + '],"data_offsets":[0,1]}}'
+    return _raw_text(tmp_path / "bigint.safetensors", hdr, b"\0"), ["cannot be read", "4300 digits"]
+
+
+def _name_with_a_lone_surrogate(tmp_path):
+    # a \ud800 escape is valid JSON to Python but no UTF-8 text: the name could be neither printed nor digested
+    hdr = '{"w.\\ud800x":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}'
+    return _raw_text(tmp_path / "surrogate.safetensors", hdr, b"\0"), [repr("w.\ud800x"), "lone surrogate"]
+
+
+def _metadata_with_a_lone_surrogate(tmp_path):
+    hdr = '{"__metadata__":{"format":"p\\udc80t"},"w":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}'
+    return _raw_text(tmp_path / "meta3.safetensors", hdr, b"\0"), ["__metadata__", "lone surrogate"]
+
+
+def _header_in_utf16(tmp_path):
+    # json.loads(bytes) guesses UTF-16 from the zero bytes; a safetensors header is UTF-8
+    h = json.dumps({"w": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]}}).encode("utf-16-le")
+    p = tmp_path / "utf16.safetensors"
+    p.write_bytes(struct.pack("<Q", len(h)) + h + b"\0")
+    return p, ["not valid JSON"]
+
+
 def _offsets_backwards(tmp_path):
     return _raw_file(tmp_path / "back.safetensors", {"w.back": {"dtype": "U8", "shape": [0], "data_offsets": [4, 0]}}, b"\0" * 4), ["'w.back'"]
 
@@ -620,6 +645,28 @@ def _index_names_a_tensor_twice(tmp_path):
     return d, ["model.safetensors.index.json", f"{name!r}", "more than once"]
 
 
+def _index_with_text(tmp_path, edit):
+    d = _shard_dir(tmp_path)
+    idx = d / "model.safetensors.index.json"
+    idx.write_text(edit(idx.read_text()))
+    return d
+
+
+def _index_past_python_s_digit_limit(tmp_path):
+    d = _index_with_text(tmp_path, lambda t: t.replace('"weight_map"', '"total": 1' + "0" * 5000 + ', "weight_map"', 1))
+    return d, ["model.safetensors.index.json", "not a readable index", "4300 digits"]
+
+
+def _index_names_a_tensor_with_a_lone_surrogate(tmp_path):
+    d = _index_with_text(tmp_path, lambda t: t.replace('"model.layers.0.mlp.up_proj.weight"', '"model.layers.0.\\ud800"', 1))
+    return d, ["model.safetensors.index.json", repr("model.layers.0.\ud800"), "lone surrogate"]
+
+
+def _index_names_a_shard_with_a_lone_surrogate(tmp_path):
+    d = _index_with_text(tmp_path, lambda t: t.replace('"model-00001-of-00002.safetensors"', '"model-\\udc80.safetensors"', 1))
+    return d, ["model.safetensors.index.json", repr("model-\udc80.safetensors"), "lone surrogate"]
+
+
 def _duplicate_across_shards(tmp_path):
     d = _shard_dir(tmp_path)
     (d / "model.safetensors.index.json").unlink()
@@ -642,6 +689,10 @@ REFUSED_BY_SAFETENSORS = [
     _trailing_bytes,
     _metadata_not_a_mapping,
     _metadata_value_not_a_string,
+    _shape_past_python_s_digit_limit,
+    _name_with_a_lone_surrogate,
+    _metadata_with_a_lone_surrogate,
+    _header_in_utf16,
 ]
 
 BAD = [
@@ -668,6 +719,9 @@ BAD = [
     _index_not_json,
     _index_points_outside,
     _index_names_a_tensor_twice,
+    _index_past_python_s_digit_limit,
+    _index_names_a_tensor_with_a_lone_surrogate,
+    _index_names_a_shard_with_a_lone_surrogate,
     _duplicate_across_shards,
     _corrupt_second_shard,
 ]

@@ -40,6 +40,7 @@ def verdicts(rows: list[tuple], coords: tuple[str, ...] = ("rank", "pp", "tp")) 
     for c in ("rank", "dp", "pp", "tp", "ep"):
         df[c] = df[c].astype("Int64") if c in df else pd.Series(pd.NA, index=df.index, dtype="Int64")
     df["status"] = df["status"].astype("string")
+    df["name"] = df["name"].astype("string")
     return df[["rank", "dp", "pp", "tp", "ep", "name", "status"]]
 
 
@@ -169,7 +170,7 @@ def test_a_rank_wide_row_fills_its_column() -> None:
 
 
 def test_unknown_status_is_named() -> None:
-    with pytest.raises(TableError, match="'status' has bogus; expected one of corrupted"):
+    with pytest.raises(TableError, match=r"has the status 'bogus', which no check gives; every row needs one of corrupted"):
         layer_rank_grid(verdicts([(0, 0, 0, EMBED, "bogus")]))
     with pytest.raises(TableError, match="no 'status' column"):
         layer_rank_grid(TINY.drop(columns="status"))

@@ -332,11 +332,11 @@ COST["gbps"] = COST["nbytes"] / COST["seconds"] / 1e9
 
 def test_cost_text() -> None:
     assert cost_text(COST) == lines(
-        "model        backend  device  tensors      size  seconds  GB/s",
-        "llama-tiny   torch    cpu          30  249.2 kB   0.0800  0.00",
-        "llama-tiny   numba    cpu          30  249.2 kB   0.0020  0.12",
-        "llama-small  torch    cpu          57   20.0 MB   1.0000  0.02",
-        "llama-small  numba    cpu          57   20.0 MB   0.0700  0.29",
+        "model        backend  device  tensors      size  seconds     GB/s",
+        "llama-tiny   torch    cpu          30  249.2 kB   0.0800  0.00312",
+        "llama-tiny   numba    cpu          30  249.2 kB   0.0020    0.125",
+        "llama-small  torch    cpu          57   20.0 MB   1.0000   0.0200",
+        "llama-small  numba    cpu          57   20.0 MB   0.0700    0.286",
     )
     assert cost_text(COST.iloc[:0]) == "no measurements"
 

@@ -138,7 +138,7 @@ def _a_billion_rows_of_nothing(body: dict[str, Any]) -> None:
         (_a_billion_rows_of_nothing, "columns table of 1000000000 rows without a list of names and a list of digests"),
         (lambda b: b["same"].update(tp=5), "rows claim tp=5 but the rank's info says tp=1"),
         (lambda b: (b["same"].pop("rank"), b["columns"].update(rank=[1] * (N - 1) + [9])), "rows claim rank=9 but the rank's info says rank=1"),
-        (lambda b: b["columns"]["nbytes"].__setitem__(2, "lots"), "column 'nbytes' cannot be read as Int64"),
+        (lambda b: b["columns"]["nbytes"].__setitem__(2, "lots"), "column 'nbytes' holds 'lots' in row 2, not a number"),
         (lambda b: b["columns"]["digest"].__setitem__(0, "error"), "row 0 ('model.embed_tokens.weight')"),
     ],
 )

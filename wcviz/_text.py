@@ -104,7 +104,8 @@ def rank_label(row: Mapping[str, Any], style: str = "rank") -> str:
     role = role if isinstance(role, str) and role else None
     if style == "rank":
         if rank is None:
-            return shown or "(no rank coordinates)"
+            url = row.get("url")
+            return shown or (str(url) if isinstance(url, str) and url else "(no rank coordinates)")
         who = f"rank {rank}"
     elif style == "role":
         if rank is None:

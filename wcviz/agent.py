@@ -45,6 +45,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import ipaddress
+import operator
 import socket
 import threading
 from collections.abc import Awaitable, Callable, Iterable, Mapping
@@ -56,6 +57,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from wcviz._errors import check_deadline, check_token
 from wcviz._names import NameFilterError, name_filter
 from wcviz.digest import ALGORITHMS, DEFAULT_ALGO
 
@@ -219,6 +221,7 @@ class Agent:
             raise ValueError("role must be a non-empty string (trainer, engine, ...)")
         if algo not in ALGORITHMS:
             raise ValueError(f"unknown algo {algo!r}; choose one of {', '.join(ALGORITHMS)}")
+        token = check_token(token, "the agent's token")  # what no client could send in a header would never match
         if allow_mutations and not token:
             raise ValueError("allow_mutations=True needs a token: mutating endpoints must be authenticated")
         for label, fn in (("snapshot", snapshot), ("reset", reset), ("reload", reload)):
@@ -229,12 +232,27 @@ class Agent:
         extra = [_host_of(str(h)) for h in allowed_hosts]
         if any(h is None for h in extra):
             raise ValueError(f"allowed_hosts holds a name that is not a host: {list(allowed_hosts)!r}")
-        if int(max_connections) < 2 or header_timeout_s <= 0:
-            raise ValueError(f"max_connections must be >= 2 and header_timeout_s > 0, got {max_connections}, {header_timeout_s}")
+        if isinstance(max_connections, bool) or not isinstance(max_connections, int) or max_connections < 2:
+            raise ValueError(f"max_connections must be an integer >= 2, got {max_connections!r}")
+        header_timeout_s, _ = check_deadline(header_timeout_s, what="header_timeout_s")  # NaN would switch the deadline off (and stop() with it)
+        from wcviz.frame import coordinate_problem
+
+        given: dict[str, Any] = {"rank": rank, "dp": dp, "pp": pp, "tp": tp, "ep": ep}
+        coords: dict[str, int | None] = {}
+        for k, v in given.items():  # what every client accepts (sources._fleet.identity_of), refused here by name
+            if v is None and k != "rank":
+                coords[k] = None
+                continue
+            if isinstance(v, bool) or not hasattr(v, "__index__"):  # numpy integers too; never True, "1" or 1.0
+                raise ValueError(f"{k} must be an integer coordinate, got {v!r}")
+            n = coords[k] = operator.index(v)
+            if (why := coordinate_problem(k, n)) is not None:
+                raise ValueError(f"{k}={v!r} is {why}")
         self.holder = holder
         self.role = role
-        self.rank = int(rank)
-        self.coords = {"dp": dp, "pp": pp, "tp": tp, "ep": ep}
+        self.rank = operator.index(rank)
+        del coords["rank"]
+        self.coords = coords
         self.host = host if host is not None else socket.gethostname()
         self.algo = algo
         self.allow_mutations = bool(allow_mutations)

@@ -348,13 +348,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     from wcviz._errors import WcvizError
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["demo"]:  # the demo parses its own flags
-        from wcviz.demo import main as demo
-
-        return demo(argv[1:])
-    args = _parser().parse_args(argv)
+    demo = argv[:1] == ["demo"]  # the demo parses its own flags; its errors and Ctrl-C are handled below too
+    args = None if demo else _parser().parse_args(argv)
     commands = {"digest": _digest, "compare": _compare, "fetch": _fetch, "verify": _verify, "endstate": _endstate, "bench": _bench}
     try:
+        if args is None:
+            from wcviz.demo import main as run_demo
+
+            return run_demo(argv[1:])
         return commands[args.command](args)
     except WcvizError as e:
         if _check_did_not_pass(e):  # not bad input: the check ran and did not pass

@@ -113,7 +113,37 @@ def run(fault: str = "skip", out: str | Path = "demo-out", *, tp: int = 2, pp: i
     return 0 if found == expected else 1
 
 
+def _flag_error(fault: str, out: str | Path, tp: int, pp: int) -> str | None:
+    """What is wrong with the demo's flags, naming the flag, or None: checked before any process starts.
+
+    ``--tp``/``--pp`` against the demo's model (TINY: each size must split it), ``--fault``
+    against the layout, ``--out`` as a folder this process can write into (created here).
+    """
+    from wcviz.cli import _writable_dir
+    from wcviz.sim.model import TINY
+
+    for flag, value, (t, p) in (("--tp", tp, (tp, 1)), ("--pp", pp, (1, pp))):
+        if value < 1:
+            return f"{flag} {value}: must be 1 or more"
+        try:
+            EngineLayout(tp=t, pp=p).check(TINY)
+        except ValueError as e:
+            return f"{flag} {value}: the demo's model cannot be split so: {e}"
+    layout = EngineLayout(tp=tp, pp=pp)
+    try:
+        layout.check(TINY)  # both at once, as the cluster checks them
+    except ValueError as e:
+        return f"--tp {tp} --pp {pp}: the demo's model cannot be split so: {e}"
+    try:
+        fault_plan(fault, layout)  # names --fault itself
+        _writable_dir(str(out))  # names --out itself
+    except ValueError as e:
+        return str(e)
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """``wcviz demo``: 0 the verdicts are as the fault should give, 1 they are not; bad flags: one line and exit 2."""
     ap = argparse.ArgumentParser(prog="wcviz demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--fault", choices=list(FAULTS), default="skip", help="loader fault injected into the update under test (default skip)")
     ap.add_argument("--out", default="demo-out", help="folder for the parquet frames and the PNG (default demo-out/)")
@@ -121,10 +151,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--pp", type=int, default=2, help="engine pipeline-parallel size (default 2)")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = ap.parse_args(argv)
-    try:
-        fault_plan(args.fault, EngineLayout(tp=args.tp, pp=args.pp))
-    except ValueError as e:  # bad flags: one line and exit 2, before any process starts
-        ap.error(str(e))
+    why = _flag_error(args.fault, args.out, args.tp, args.pp)
+    if why is not None:  # bad flags: one line and exit 2, before any process starts
+        ap.exit(2, f"{ap.prog}: error: {why}\n")
     return run(args.fault, args.out, tp=args.tp, pp=args.pp, progress=not args.no_progress)
 
 

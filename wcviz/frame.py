@@ -222,12 +222,15 @@ def _as_int64(s: pd.Series, col: str, source: str) -> Any:
         shown = str(v) if len(str(v)) <= 40 else str(v)[:37] + "..."
         return TableError(f"{source}: column {col!r} holds {shown} in row {i}, {why}")
 
-    if s.dtype == object:
+    if s.dtype == object or pd.api.types.is_string_dtype(s.dtype):
         kind = pd.api.types.infer_dtype(s, skipna=True)
         if kind == "empty":  # nothing but missing values (a column no row gave)
             return _all_missing("Int64", len(s))
         if kind == "string":  # text (a CSV read as text): parsed in one pass, then checked as numbers below
-            s = pd.to_numeric(s, errors="raise")
+            num, text = pd.to_numeric(s, errors="coerce"), s.notna().to_numpy(dtype=bool)
+            if (bad := np.flatnonzero(num.isna().to_numpy(dtype=bool) & text)).size:
+                raise refuse(int(bad[0]), repr(s.iloc[int(bad[0])]), "not an integer")
+            s = num
         if s.dtype == object:  # Python values (a JSON table, a wire column, ints beyond uint64): exact, no float64 on the way
             return _python_ints(s, refuse)
     num = pd.to_numeric(s, errors="raise")
@@ -277,7 +280,7 @@ def _python_ints(s: pd.Series, refuse: Any) -> Any:
                 raise refuse(i, v, "not an integer")
             v = int(v)
         if not isinstance(v, (int, np.integer)):
-            raise TypeError(f"{str(v)[:40]!r} (a {type(v).__name__}) in row {i} is not a number")
+            raise refuse(i, repr(v), f"not a number (a {type(v).__name__})")
         if not _I64_MIN <= int(v) <= _I64_MAX:
             raise refuse(i, given, "a number that does not fit in int64")
         ints[i] = int(v)
@@ -356,6 +359,17 @@ def coordinate_problem(column: str, value: int) -> str | None:
     """Why ``value`` cannot be a rank's ``column`` (rank, dp, pp, tp, ep), or None: they count from 0 and fit in
     int64. The one rule for a table's rows and for what a rank's info claims (``sources._fleet.identity_of``)."""
     return None if 0 <= value < 2**63 else f"not a coordinate (0 <= {column} < 2**63)"
+
+
+def rank_ids(frame: pd.DataFrame, source: str = "verdicts") -> pd.DataFrame:
+    """Each row's rank, the one rule every view and summary places ranks by: :data:`IDENTITY` as ``Int64`` (checked as
+    :func:`validate` checks them: ``"gpu-a"``, ``0.5`` or ``-1`` is a TableError naming the row), and ``url`` where a
+    row has no coordinate at all (a rank known only by the address it was asked at), so two such ranks stay two."""
+    ids = pd.DataFrame({c: _as_int64(frame[c].reset_index(drop=True), c, source) if c in frame else _all_missing("Int64", len(frame)) for c in IDENTITY})
+    _check_coordinates(ids, source)
+    url = frame["url"].astype("string").reset_index(drop=True) if "url" in frame else pd.Series(pd.NA, index=ids.index, dtype="string")
+    ids["url"] = url.where(ids.isna().all(axis=1) & (url.fillna("") != ""), pd.NA)
+    return ids.set_axis(frame.index)
 
 
 def _check_coordinates(frame: pd.DataFrame, source: str) -> None:

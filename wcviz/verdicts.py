@@ -38,7 +38,7 @@ import pandas as pd
 
 from wcviz._errors import AlgorithmMismatch, TableError
 from wcviz._text import SHOWN, listing, plural, rank_label
-from wcviz.frame import IDENTITY, check_identities, check_unique_keys, validate
+from wcviz.frame import IDENTITY, check_identities, check_unique_keys, rank_ids, validate
 
 __all__ = [
     "ENDSTATE_STATUSES",
@@ -152,7 +152,7 @@ def compare(expected: pd.DataFrame, actual: pd.DataFrame) -> pd.DataFrame:
 
 
 def check_statuses(verdicts: pd.DataFrame) -> None:
-    """Refuse a malformed verdict frame: no ``status`` column, or a row without a status.
+    """Refuse a malformed verdict frame: no ``status`` column, a row without a status, or one no check gives.
 
     A missing status is neither a match nor a finding, so no view may count it as either:
     :class:`~wcviz.TableError` names the first such row (its position, rank and name).
@@ -162,16 +162,20 @@ def check_statuses(verdicts: pd.DataFrame) -> None:
     if "status" not in verdicts:
         raise TableError(f"not a verdict frame: no 'status' column (columns: {', '.join(map(str, verdicts.columns))})")
     na = verdicts["status"].isna().to_numpy()
-    if na.any():
+    unknown = ~na & ~verdicts["status"].isin(SEVERITY).to_numpy(dtype=bool)  # "ok" is neither a match nor a finding
+    for bad, said in ((na, "has no status"), (unknown, "has the status {!r}, which no check gives")):
+        if not bad.any():
+            continue
         v = verdicts.reset_index(drop=True)
-        pos = int(na.nonzero()[0][0])
+        pos = int(bad.nonzero()[0][0])
         row = v.iloc[pos]
         name = row["name"] if "name" in v else pd.NA
         where = rank_label({c: row[c] for c in IDENTITY if c in v})
         what = f"{where}, " + (f"parameter {name}" if not pd.isna(name) else "no parameter name")
-        more = f" (and {int(na.sum()) - 1:,} more)" if int(na.sum()) > 1 else ""
+        more = f" (and {int(bad.sum()) - 1:,} more)" if int(bad.sum()) > 1 else ""
         raise TableError(
-            f"malformed verdict frame: row {pos} ({what}) has no status{more}; every row needs one of {', '.join(SEVERITY)}"
+            f"malformed verdict frame: row {pos} ({what}) {said.format(row['status'])}{more}; every row needs one of "
+            f"{', '.join(SEVERITY)}"
         )
 
 
@@ -189,7 +193,8 @@ def counts(verdicts: pd.DataFrame) -> dict[str, int]:
 
 
 def _ids(v: pd.DataFrame) -> pd.DataFrame:
-    return pd.DataFrame({c: (v[c] if c in v else pd.Series(pd.NA, index=v.index, dtype="Int64")) for c in IDENTITY})
+    """Each row's rank (:func:`wcviz.frame.rank_ids`: coordinates, and ``url`` for a rank known only by it)."""
+    return rank_ids(v)
 
 
 def status_parts(verdicts: pd.DataFrame, *, name_ranks: bool = True, style: str = "rank", most: int = SHOWN) -> list[str]:
@@ -223,7 +228,7 @@ def status_parts(verdicts: pd.DataFrame, *, name_ranks: bool = True, style: str 
             parts.append(f"{n:,} {st}" + (f" on {plural(len(ranks), 'rank')}" if located else ""))
             continue
         absent = absent_col[hit].to_numpy()
-        labelled = rows.assign(_absent=absent).drop_duplicates(list(IDENTITY)).sort_values(list(IDENTITY), na_position="first")
+        labelled = rows.assign(_absent=absent).drop_duplicates([*IDENTITY, "url"]).sort_values([*IDENTITY, "url"], na_position="first")
         labels = [
             rank_label(r, style) + (": rank absent after reload" if st not in WHOLE_RANK and bool(r["_absent"]) else "")
             for r in labelled.to_dict(orient="records")

@@ -32,7 +32,7 @@ from wcviz.endstate.engines import (
 )
 from wcviz.endstate.fleets import AgentFleet, CallableFleet, check_agents, run_check
 from wcviz.endstate.poison import POISON_BYTE, POISON_BYTES, poison_
-from wcviz.endstate.session import PROBLEM_COLUMNS, EndStateReport, EndStateSession, EngineLeftPoisoned, Fleet, SnapshotUnusable, run
+from wcviz.endstate.session import PROBLEM_COLUMNS, EndStateReport, EndStateSession, EngineLeftPoisoned, Fleet, ReloadUnverified, SnapshotUnusable, run
 from wcviz.verdicts import ENDSTATE_STATUSES
 from wcviz.verdicts import summary as summary
 
@@ -49,6 +49,7 @@ __all__ = [
     "EndStateSession",
     "EngineEndstate",
     "EngineLeftPoisoned",
+    "ReloadUnverified",
     "Fleet",
     "ResetNotCovered",
     "SglangEndstate",

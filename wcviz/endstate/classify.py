@@ -15,7 +15,10 @@ Order of the check, for every engine rank (the session that runs it is
 4. **classify** - compare reload with snapshot per (rank, parameter). The statuses
    (``corrupted``, ``unwritten``, ``missing``, ``empty``, ``unreachable``,
    ``unexpected``, ``unproven``, ``match``) and the verdict columns are
-   :mod:`wcviz.verdicts`'.
+   :mod:`wcviz.verdicts`'. A parameter whose snapshot already held wcviz's poison (an
+   earlier check's reload failed there) has no reference: ``unwritten`` if it still
+   holds the pattern after the reload, else ``unproven`` (never ``corrupted`` or
+   ``match``).
 
 Ranks are matched by their coordinates (:data:`wcviz.frame.IDENTITY`), never by row
 order. Nothing here fetches or acts: it reads frames.
@@ -63,18 +66,21 @@ class ResetNotCovered(WcvizError, RuntimeError):
 
 
 def _empty_tensor(nbytes: pd.Series, shape: pd.Series) -> pd.Series:
-    """Rows of tensors without bytes: by ``nbytes``, else by a zero in ``shape``."""
+    """Rows of tensors without bytes: ``nbytes`` 0 where the shape does not say otherwise, else a zero in ``shape``.
+    A row that claims no bytes for a shape with elements proves nothing by being empty: it is not empty."""
 
-    def zero_dim(s: Any) -> bool:
+    def elements(s: Any) -> int | None:
         if pd.isna(s):
-            return False
+            return None
         try:
-            return math.prod(json.loads(str(s))) == 0
-        except (ValueError, TypeError):
-            return False
+            return int(math.prod(json.loads(str(s))))
+        except (ValueError, TypeError, OverflowError, RecursionError):
+            return None
 
-    by_shape = shape.map(zero_dim).astype(bool)
-    return (nbytes == 0).fillna(by_shape).astype(bool)
+    counts = [elements(s) for s in shape]
+    by_shape = pd.Series([n == 0 for n in counts], index=shape.index, dtype=bool)
+    has_elements = pd.Series([n is not None and n > 0 for n in counts], index=shape.index, dtype=bool)
+    return ((nbytes == 0) & ~has_elements).fillna(by_shape).astype(bool)
 
 
 def prepare_phases(frames: Mapping[str, pd.DataFrame]) -> dict[str, pd.DataFrame]:
@@ -164,6 +170,14 @@ def _pattern_digests(rows: pd.DataFrame, fill: tuple[int, ...]) -> pd.Series:
     return pd.Series(merged.to_numpy(), index=rows.index, dtype="object")
 
 
+def holds_reset_pattern(frame: pd.DataFrame, pattern: str | int) -> pd.Series:
+    """Which rows (with bytes) digest as the tensor fully overwritten with ``pattern``: a rank that serves it is still
+    poisoned from an earlier reset. False where it cannot be computed."""
+    expected = _pattern_digests(frame, _pattern_bytes(pattern))
+    hits = [e is not None and isinstance(d, str) and d.lower() in e for e, d in zip(expected, frame["digest"])]
+    return pd.Series(hits, index=frame.index, dtype=bool) & ~_empty_tensor(frame["nbytes"], frame["shape"])
+
+
 def _coverage(snap: pd.DataFrame, reset: pd.DataFrame, pattern: str | int = "poison") -> pd.DataFrame:
     fill = _pattern_bytes(pattern)
     left = snap[_KEYS + ["digest", "algo", "dtype", "shape", "nbytes"]]
@@ -244,6 +258,8 @@ def _identities(ranks: pd.DataFrame | Iterable[Mapping[str, Any]] | None) -> pd.
     if len(df) and not any(c in df.columns for c in IDENTITY):
         raise TableError(f"ranks need identity columns ({', '.join(IDENTITY)}); got {', '.join(map(str, df.columns))}")
     out = pd.DataFrame({c: pd.to_numeric(df[c]).astype("Int64") if c in df else pd.Series(pd.NA, index=df.index, dtype="Int64") for c in IDENTITY})
+    if "url" in df:  # a rank with no coordinates at all is known only by where it was asked: two such stay two
+        out["url"] = df["url"].astype("string").where(out.isna().all(axis=1), pd.NA)
     return out.drop_duplicates().reset_index(drop=True)
 
 
@@ -251,7 +267,7 @@ def _on_ranks(df: pd.DataFrame, ranks: pd.DataFrame) -> pd.Series:
     """Which rows of ``df`` belong to one of ``ranks`` (NA coordinates match NA)."""
     if not len(ranks):
         return pd.Series(False, index=df.index)
-    hit = df[list(IDENTITY)].merge(ranks.assign(_hit=True), on=list(IDENTITY), how="left")["_hit"]
+    hit = df[list(IDENTITY)].merge(ranks[list(IDENTITY)].drop_duplicates().assign(_hit=True), on=list(IDENTITY), how="left")["_hit"]
     return pd.Series(hit.notna().to_numpy(), index=df.index)
 
 
@@ -282,7 +298,7 @@ def _zero_byte_ranks(snap: pd.DataFrame) -> pd.DataFrame:
     if not len(snap):
         return _identities(None)
     keys = list(IDENTITY)
-    zero = (snap["nbytes"] == 0).fillna(False).astype(bool)
+    zero = (snap["nbytes"] == 0).fillna(False).astype(bool) & _empty_tensor(snap["nbytes"], snap["shape"])
     per_rank = zero.groupby([snap[k] for k in keys], dropna=False, sort=False).all()
     return _identities(per_rank[per_rank].index.to_frame(index=False))
 
@@ -293,12 +309,13 @@ def _whole_ranks(out: pd.DataFrame, ranks: pd.DataFrame, status: str) -> pd.Data
         return out
     out.loc[_on_ranks(out, ranks), "status"] = status
     silent = ranks.merge(out[list(IDENTITY)].drop_duplicates(), on=list(IDENTITY), how="left", indicator=True)
-    silent = silent[silent["_merge"] == "left_only"][list(IDENTITY)]
+    silent = silent[silent["_merge"] == "left_only"].drop(columns="_merge")
     if len(silent):  # a rank without rows still gets one: absent is not the same as fine
         ghost = silent.assign(status=status, reset_covered=False, rank_absent=True)
         out = pd.concat([out, ghost.astype({c: "Int64" for c in IDENTITY})], ignore_index=True)
-        for col in ("status", "name", "algo", "same_as"):
-            out[col] = out[col].astype("string")
+        for col in ("status", "name", "algo", "same_as", "url"):
+            if col in out:
+                out[col] = out[col].astype("string")
     return out
 
 
@@ -321,7 +338,8 @@ def classify(
     provably overwrote all of it: what makes a ``match`` a proof), ``rank_absent``
     (the rank has no rows at all after the reload) and ``same_as`` (for a corrupted row:
     the other ranks whose snapshot held exactly what this rank reloaded, e.g. two ranks
-    that swapped shards).
+    that swapped shards), ``url`` (for a rank known only by the address it was asked at:
+    no coordinates, e.g. an agent that never answered; NA otherwise).
 
     ``reset_pattern`` is what the reset writes (:data:`RESET_PATTERNS`: wcviz's
     ``poison``, vLLM's ``zeros``, a byte, or ``unknown`` for random values). Raises
@@ -357,6 +375,15 @@ def classify(
     status[both & ~same_snap & same_reset] = "unwritten"
     status[both & same_snap & ~proven] = "unproven"
     status[both & same_snap & proven] = "match"
+    if reset_pattern == "poison":  # wcviz's poison never occurs in real weights: a snapshot of it is no reference
+        algo_of = pd.concat([snap["algo"], rel["algo"]]).dropna()
+        rows = lambda side: pd.DataFrame(  # noqa: E731 - the pattern's columns from one side of the merge
+            {"algo": algo_of.iloc[0] if len(algo_of) else pd.NA, **{c: m[f"{c}_{side}"] for c in ("digest", "dtype", "shape", "nbytes")}}
+        )
+        stale = both & holds_reset_pattern(rows("snapshot"), "poison")  # an earlier reset that was never reloaded
+        still = same_reset | holds_reset_pattern(rows("reload"), "poison")
+        status[stale & still] = "unwritten"  # the rank serves the reset pattern after this reload too
+        status[stale & ~still] = "unproven"  # rewritten, but with nothing to compare it to
 
     out = m[_KEYS].copy()
     out["status"] = status
@@ -374,6 +401,7 @@ def classify(
     present = out[list(IDENTITY)].merge(reload_ranks, on=list(IDENTITY), how="left")["_present"]
     out["rank_absent"] = present.isna().to_numpy()
     out["same_as"] = _same_as(out, snap)
+    out["url"] = pd.Series(pd.NA, index=out.index, dtype="string")
     out = _whole_ranks(out, dead, "unreachable")
     out = _whole_ranks(out, hollow, "empty")
     return worst_first(out, ENDSTATE_STATUSES)

@@ -33,6 +33,7 @@ from typing import Any
 
 import pandas as pd
 
+from wcviz._text import rank_label
 from wcviz.endstate.session import EndStateReport, EndStateSession, run
 from wcviz.frame import IDENTITY
 from wcviz.sources import ActionResult, EngineEndpointError, FetchResult
@@ -148,6 +149,14 @@ class VllmCheckerFleet(_EngineFleet):
         if self.sizes is not None and len(res.frame):
             frame = res.frame.drop(columns="nbytes").merge(self.sizes, on=_SIZE_KEY, how="left")
             frame["nbytes"] = frame["nbytes"].astype("Int64")
+            unsized = frame[frame["nbytes"].isna()]
+            if phase == "snapshot" and len(unsized):  # sizes for another topology or model: refused before any reset
+                at = ", ".join(dict.fromkeys(rank_label(r, "short") for r in unsized.to_dict(orient="records")))
+                raise ValueError(
+                    f"sizes do not fit this engine: {len(unsized):,} of {len(frame):,} parameters it answered for have no "
+                    f"size row (on {at}; e.g. {unsized['name'].iloc[0]}): cut them with expected_frame for this engine's "
+                    "topology (tp, pp, dp). Nothing was reset"
+                )
             res = FetchResult(res.urls, frame, res.failed, dict(res.errors), dict(res.infos))
         return self._learn(res, phase)
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import pandas as pd
 
+from wcviz._errors import check_deadline, check_token
 from wcviz.endstate.session import EndStateReport, EndStateSession, run
 from wcviz.frame import IDENTITY
 from wcviz.sources import ActionResult, FetchResult, Targets, act, fetch, fetch_infos, normalize_targets
@@ -37,10 +38,13 @@ def _known(row: Mapping[str, Any]) -> dict[str, Any]:
     return {k: row[k] for k in _IDENTITY_FIELDS if k in row and row[k] is not None and not pd.isna(row[k])}
 
 
-def _no_failures() -> pd.DataFrame:
+def _no_failures(rows: list[dict[str, Any]] | None = None) -> pd.DataFrame:
     from wcviz.sources import FAILED_COLUMNS
 
-    return pd.DataFrame({c: pd.Series(dtype="Int64" if c in IDENTITY else "string") for c in FAILED_COLUMNS})
+    empty = pd.DataFrame({c: pd.Series(dtype="Int64" if c in IDENTITY else "string") for c in FAILED_COLUMNS})
+    if not rows:
+        return empty
+    return pd.DataFrame(rows, columns=list(FAILED_COLUMNS)).astype(empty.dtypes.to_dict())
 
 
 def _acknowledged(action: str, targets: tuple[str, ...]) -> ActionResult:
@@ -72,8 +76,8 @@ class AgentFleet:
         targets, expected = normalize_targets(urls)
         if not targets:
             raise ValueError("the end-state check needs at least one agent URL")
-        if not 0 < timeout_s < float("inf") or retries < 0:  # refused before any rank is touched (NaN and inf too)
-            raise ValueError(f"timeout_s must be a finite number of seconds > 0 and retries >= 0, got {timeout_s} and {retries}")
+        timeout_s, retries = check_deadline(timeout_s, retries)  # refused before any rank is touched
+        token = check_token(token)
         self._targets = targets
         self.token = token
         self.reload_fn = reload
@@ -109,7 +113,7 @@ class AgentFleet:
 
     def info(self) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
         """Each agent's ``/v1/info`` now (what it allows), or why there is none; no event loop needed."""
-        infos, errors = fetch_infos(self._targets, timeout_s=min(float(self.net["timeout_s"]), 10.0))
+        infos, errors = fetch_infos(self._targets, **{**self.net, "timeout_s": min(float(self.net["timeout_s"]), 10.0)})
         for url, info in infos.items():
             self.known.setdefault(url, {}).update(_known(info))
         return infos, errors
@@ -197,8 +201,12 @@ class CallableFleet:
         from wcviz.frame import make_frame, validate
 
         frame = self.digest_fn(phase)
-        frame = validate(frame, phase) if len(frame) else make_frame([])
-        return FetchResult(self.targets, frame.assign(url=self.TARGET), _no_failures())
+        if len(frame):
+            return FetchResult(self.targets, validate(frame, phase).assign(url=self.TARGET), _no_failures())
+        # no rows at all is a fleet that holds nothing to check (released, or the wrong object digested): ``empty``,
+        # never a check that passes for want of anything to compare
+        why = f"digests({phase!r}) returned no rows: nothing to check"
+        return FetchResult(self.targets, make_frame([]).assign(url=self.TARGET), _no_failures([{"url": self.TARGET, "kind": "empty", "error": why}]))
 
     def act(self, action: str) -> ActionResult:
         self.actions[action]()

@@ -11,14 +11,18 @@ keeps the check honest when ranks misbehave:
   silently dropped, never counted as a pass); one that answers with no parameters is
   ``empty``;
 - a snapshot the report could not classify (one rank with two identities, two digest
-  algorithms, a parameter listed twice) stops the check before the reset
-  (:class:`SnapshotUnusable`): nothing is poisoned for a check that cannot conclude;
+  algorithms, a parameter listed twice, two targets claiming one rank), one a rank
+  refused (a wrong token: its reset would be refused too), or one no rank answered,
+  stops the check before the reset (:class:`SnapshotUnusable`): nothing is poisoned
+  for a check that cannot conclude;
 - a reset that leaves a parameter of an answering rank anything but fully reset voids
   the check (:class:`wcviz.endstate.ResetNotCovered`), raised only after the reload;
 - once the reset has started the reload runs whatever happens (a reset or a
   ``before_reload`` hook that raises, Ctrl-C), and every way out names the ranks left
   poisoned first (:class:`EngineLeftPoisoned`, or a :class:`ResetNotCovered` whose
-  message starts with them), the report's own errors included.
+  message starts with them), the report's own errors included. A rank is called
+  poisoned only where the digests after the reload do not disprove it, and a reload
+  that ran but whose digests could not be fetched is :class:`ReloadUnverified`.
 
 Observers (a dashboard's progress bar) pass ``on_step(phase, step)``: it is called
 after each action and each fetch of digests; an observer that raises is logged and
@@ -35,13 +39,16 @@ from typing import Any, Protocol, runtime_checkable
 import pandas as pd
 
 from wcviz._errors import WcvizError
-from wcviz._text import rank_label
-from wcviz.endstate.classify import PHASES, ResetNotCovered, check_reset_pattern, classify
-from wcviz.frame import IDENTITY
+from wcviz._text import plural, rank_label
+from wcviz.endstate.classify import PHASES, ResetNotCovered, check_reset_pattern, classify, holds_reset_pattern
+from wcviz.frame import IDENTITY, validate
 from wcviz.sources import ActionResult, FetchResult
 from wcviz.verdicts import summary as verdict_summary
 
-__all__ = ["PROBLEM_COLUMNS", "EndStateReport", "EndStateSession", "EngineLeftPoisoned", "Fleet", "SnapshotUnusable", "Summary", "run"]
+__all__ = [
+    "PROBLEM_COLUMNS", "EndStateReport", "EndStateSession", "EngineLeftPoisoned", "Fleet", "ReloadUnverified", "SnapshotUnusable",
+    "Summary", "run",
+]  # fmt: skip
 
 log = logging.getLogger("wcviz.endstate")
 
@@ -60,6 +67,11 @@ class EngineLeftPoisoned(WcvizError, RuntimeError):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (str(self), self.poisoned))
+
+
+class ReloadUnverified(EngineLeftPoisoned):
+    """The reload ran without an error, but its digests could not be fetched: whether the ranks are restored is not
+    known (so it is still an :class:`EngineLeftPoisoned` to callers that only catch that; ``poisoned`` is empty)."""
 
 
 class SnapshotUnusable(WcvizError, RuntimeError):
@@ -105,6 +117,30 @@ def _poisoned(problems: pd.DataFrame) -> pd.DataFrame:
     return problems[(problems["phase"] == "reload") & (problems["step"] == "reload")].reset_index(drop=True)
 
 
+def _failures(failed: pd.DataFrame) -> str:
+    """``engine 1 (pp=0 tp=1) at http://...: why; ...``: failed fetches, each named by its rank and where it answered."""
+    out = []
+    for r in failed.to_dict(orient="records"):
+        label, url = rank_label(r, "role"), str(r["url"])
+        out.append(f"{label if label == url else f'{label} at {url}'}: {r['error']}")
+    return "; ".join(out)
+
+
+def _stale_poison_note(snapshot: pd.DataFrame, pattern: str | int) -> list[str]:
+    """A note for parameters whose snapshot already held wcviz's poison: what their verdicts can and cannot say."""
+    if pattern != "poison" or not len(snapshot):
+        return []
+    held = snapshot[holds_reset_pattern(validate(snapshot, "snapshot"), "poison")]
+    if not len(held):
+        return []
+    ranks = ", ".join(dict.fromkeys(rank_label(r) for r in held.to_dict(orient="records")))
+    return [
+        f"{plural(len(held), 'parameter')} on {ranks} already held the reset pattern at the snapshot (an earlier reset "
+        "was never reloaded): with no reference they are unwritten if they still hold it, else unproven; check them "
+        "against the trainer's expected shards (wcviz.layouts.expected_frame)"
+    ]
+
+
 def _labels(poisoned: pd.DataFrame) -> tuple[str, ...]:
     return tuple(dict.fromkeys(rank_label(r, "role") for r in poisoned.to_dict(orient="records")))
 
@@ -143,9 +179,10 @@ class EndStateReport:
 
     @property
     def unreachable(self) -> pd.DataFrame:
-        """The rank identities (:data:`wcviz.frame.IDENTITY`) that did not answer in some phase."""
+        """The rank identities (:data:`wcviz.frame.IDENTITY`, and ``url``) that did not answer in some phase."""
         rows = self.verdicts[self.verdicts["status"] == "unreachable"]
-        return rows[list(IDENTITY)].drop_duplicates().reset_index(drop=True)
+        cols = [*IDENTITY, "url"] if "url" in rows else list(IDENTITY)  # url: a rank without coordinates
+        return rows[cols].drop_duplicates().reset_index(drop=True)
 
     @property
     def ok(self) -> bool:
@@ -193,6 +230,10 @@ class EndStateSession:
 
     def __init__(self, fleet: Fleet | Any, *, on_step: Callable[[str, str], None] | None = None, **agent_options: Any) -> None:
         if not isinstance(fleet, Fleet):
+            members = ("targets", "identity", "digests", "act", "reset_pattern")
+            if any(hasattr(fleet, m) for m in ("digests", "act", "identity")):  # meant as a fleet, not agent URLs
+                lacks = [m for m in members if not hasattr(fleet, m)]
+                raise TypeError(f"{type(fleet).__name__} is not a Fleet: it lacks {', '.join(lacks)} (see wcviz.endstate.Fleet)")
             from wcviz.endstate.fleets import AgentFleet
 
             fleet = AgentFleet(fleet, **agent_options)
@@ -207,6 +248,7 @@ class EndStateSession:
         self.fetches: dict[str, FetchResult] = {}
         self.answered: dict[str, int] = {}
         self.unpoisoned: set[str] = set()  # targets whose reset certainly did not run: a failed reload leaves them as they were
+        self.reload_ran = False  # the last reload's action returned (its per-rank failures recorded); its digests may not have
 
     @property
     def targets(self) -> tuple[str, ...]:
@@ -225,6 +267,8 @@ class EndStateSession:
         self.problems.append({"phase": phase, "step": step, "url": target, "kind": kind, "error": error, **ident})
 
     def _act(self, phase: str) -> None:
+        if phase == "reload":
+            self.reload_ran = False
         try:
             res = self.fleet.act(phase)
         except Exception as e:  # noqa: BLE001 - recorded against every rank; the digests show the damage
@@ -234,6 +278,7 @@ class EndStateSession:
 
             for t in self.targets:
                 self._problem(phase, "reload", t, "failed", f"the reload failed: {one_line(e)}")
+            self.reload_ran = True  # it ran and failed: recorded against every rank
             return
         finally:
             self._step(phase, phase)
@@ -242,6 +287,8 @@ class EndStateSession:
             if phase == "reset" and t in res.not_run:
                 self.unpoisoned.add(t)
             self._problem(phase, phase, t, kind, err)
+        if phase == "reload":
+            self.reload_ran = True
 
     def _digests(self, phase: str) -> pd.DataFrame:
         res = self.fleet.digests(phase)
@@ -256,7 +303,7 @@ class EndStateSession:
     def _phase(self, phase: str) -> pd.DataFrame:
         self.problems = [p for p in self.problems if p["phase"] != phase]  # a phase run again replaces its record
         if phase == "reset":
-            self.unpoisoned = set()
+            self.unpoisoned, self.reload_ran = set(), False
             for stale in ("reload",):  # a reload before this reset proves nothing about it: report() waits for the next
                 self.frames.pop(stale, None)
                 self.fetches.pop(stale, None)
@@ -286,10 +333,25 @@ class EndStateSession:
         reload, that could only be raised, with ranks poisoned for a check that cannot conclude."""
         from wcviz.endstate.classify import prepare_phases
 
+        stop = "so the check stopped before the reset (nothing was poisoned)"
         try:
             prepare_phases({"snapshot": self.frames["snapshot"]})
         except (WcvizError, ValueError) as e:
-            raise SnapshotUnusable(f"the snapshot cannot be classified, so the check stopped before the reset (nothing was poisoned): {e}") from e
+            raise SnapshotUnusable(f"the snapshot cannot be classified, {stop}: {e}") from e
+        refused = [p for p in self.problems if p["phase"] == "snapshot" and p["step"] == "snapshot" and p["kind"] == "refused"]
+        if refused:  # a wrong token, mutations off: the reset would be refused there too, and prove nothing
+            raise SnapshotUnusable(
+                f"the snapshot was refused by {plural(len(refused), 'rank')} (the reset would be too), {stop}: "
+                f"{_failures(pd.DataFrame(refused))}"
+            )
+        failed = self.fetches["snapshot"].failed
+        bad = failed[failed["kind"] == "failed"] if len(failed) else failed
+        if len(bad):  # alive but unusable (a parameter listed twice, two targets claiming one rank): the reset would
+            # poison ranks the check cannot conclude on
+            raise SnapshotUnusable(f"the snapshot of {plural(len(bad), 'rank')} did not hold up, {stop}: {_failures(bad)}")
+        snap = self.frames["snapshot"]
+        if not len(snap) and not (len(failed) and (failed["kind"] == "empty").any()):
+            raise SnapshotUnusable(f"no rank answered the snapshot, {stop}: {_failures(failed) if len(failed) else 'no rows'}")
 
     def reload(self) -> pd.DataFrame:
         """Run the weight update again on every rank; the digests after it (phase ``reload``)."""
@@ -299,12 +361,31 @@ class EndStateSession:
     def problem_table(self) -> pd.DataFrame:
         """:data:`PROBLEM_COLUMNS`, one row per (phase, step, rank) that failed; ``poisoned`` says whether the rank
         may hold the reset pattern after a failed reload (False where its reset certainly did not run)."""
-        table = pd.DataFrame(self.problems, columns=list(PROBLEM_COLUMNS))
+        rows = []
+        for p in self.problems:  # what was learnt of a rank after its failure (a snapshot that timed out before any
+            # digests named it) still names it: never a second, coordinate-less rank
+            known = {k: v for k, v in self.fleet.identity(p["url"]).items() if k in ("role", *IDENTITY)}
+            rows.append({**known, **{k: v for k, v in p.items() if v is not None and not (k in known and pd.isna(v))}})
+        table = pd.DataFrame(rows, columns=list(PROBLEM_COLUMNS))
         for c in PROBLEM_COLUMNS:
             table[c] = table[c].astype("Int64" if c in IDENTITY else "string")
         reload_failed = (table["phase"] == "reload") & (table["step"] == "reload")
-        table["poisoned"] = (reload_failed & ~table["url"].isin(self.unpoisoned)).astype(bool)
+        cleared = table["url"].isin(self.unpoisoned) | table["url"].map(self._restored).astype(bool)
+        table["poisoned"] = (reload_failed & ~cleared).astype(bool)
         return table
+
+    def _restored(self, target: object) -> bool:
+        """Whether the digests after the reload prove ``target`` no longer holds the reset: every parameter its reset
+        answered for answered again after the reload, and none equals its digest after the reset (a reload that raised
+        after writing every weight is not "still poisoned"). Unknown is not restored."""
+        reset, reload = self.frames.get("reset"), self.frames.get("reload")
+        if reset is None or reload is None or "url" not in reset or "url" not in reload:
+            return False
+        before = reset[reset["url"] == target].set_index("name")["digest"]
+        after = reload[reload["url"] == target].set_index("name")["digest"]
+        if not len(before) or not before.index.is_unique or not after.index.is_unique or not before.index.isin(after.index).all():
+            return False
+        return bool((after.reindex(before.index).str.lower() != before.str.lower()).all())
 
     @property
     def poisoned(self) -> pd.DataFrame:
@@ -335,9 +416,12 @@ class EndStateSession:
             )  # fmt: skip
         except ResetNotCovered as e:
             poisoned = _poisoned(table)
-            if not len(poisoned):
+            failed = table[(table["phase"] == "reset") & (table["step"] == "reset")]
+            why = f"; the reset itself failed on {_failures(failed)}" if len(failed) else ""  # a 401/403/500 is the cause
+            if not len(poisoned) and not why:
                 raise
-            raise ResetNotCovered(f"{_poisoned_line(poisoned)}. Also: {e}", e.coverage, _labels(poisoned)) from e
+            first = f"{_poisoned_line(poisoned)}. Also: " if len(poisoned) else ""
+            raise ResetNotCovered(f"{first}{e}{why}", e.coverage, _labels(poisoned)) from e
         except Exception as e:  # a table that does not hold up: the poisoned ranks still come first
             poisoned = _poisoned(table)
             if not len(poisoned):
@@ -345,7 +429,7 @@ class EndStateSession:
             raise EngineLeftPoisoned(f"{_poisoned_line(poisoned)}. Also, no verdicts could be made: {e}", _labels(poisoned)) from e
         return EndStateReport(
             verdicts=verdicts, frames=dict(self.frames), problems=table, answered=dict(self.answered),
-            fetches=dict(self.fetches),
+            fetches=dict(self.fetches), notes=_stale_poison_note(self.frames["snapshot"], pattern),
         )  # fmt: skip
 
 
@@ -382,10 +466,7 @@ def run(
         try:
             session.reload()
         except BaseException as e:
-            raise EngineLeftPoisoned(
-                f"RELOAD FAILED on every rank ({type(e).__name__}: {e}): still poisoned (serving the reset pattern); "
-                "rerun the weight update"
-            ) from e
+            raise _reload_error(session, e) from e
         bar.update()
     poisoned = session.poisoned
     if raise_if_poisoned and len(poisoned):
@@ -400,13 +481,26 @@ def _restore(session: EndStateSession, error: BaseException) -> None:
     try:
         session.reload()
     except BaseException as e:
-        raise EngineLeftPoisoned(
-            f"RELOAD FAILED on every rank ({type(e).__name__}: {e}): still poisoned (serving the reset pattern); rerun "
-            f"the weight update. The check stopped before its reload because {why}"
-        ) from error
+        raise _reload_error(session, e, f". The check stopped before its reload because {why}") from error
     poisoned = session.poisoned
     if len(poisoned):
         raise EngineLeftPoisoned(
             f"{_poisoned_line(poisoned)}. The check stopped before its reload because {why}; the other ranks were reloaded",
             _labels(poisoned),
         ) from error
+
+
+def _reload_error(session: EndStateSession, e: BaseException, also: str = "") -> EngineLeftPoisoned:
+    """What a reload that raised means: the action itself failed (or was interrupted), so every rank may hold the
+    reset pattern; or the action ran and only fetching its digests failed, which proves nothing either way."""
+    if session.reload_ran:
+        bad = _poisoned(session.problem_table)
+        if not len(bad):
+            return ReloadUnverified(
+                f"the reload ran without an error on every rank, but its digests could not be fetched ({type(e).__name__}: {e}): "
+                f"whether the weights are restored is not known; fetch the digests again{also}"
+            )
+        return EngineLeftPoisoned(f"{_poisoned_line(bad)}; then fetching the digests failed ({type(e).__name__}: {e}){also}", _labels(bad))
+    return EngineLeftPoisoned(
+        f"RELOAD FAILED on every rank ({type(e).__name__}: {e}): still poisoned (serving the reset pattern); rerun the weight update{also}"
+    )

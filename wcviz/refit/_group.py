@@ -2,7 +2,9 @@
 
 A collective that fails because a peer is dead or did not answer in time raises
 :class:`wcviz.refit.RefitTimeout` naming the step and this rank; gloo's monitored
-barrier names the ranks that never arrived.
+barrier names the ranks that never arrived. ``rank_label`` says how a message names a
+global rank (``"rank 2"`` by default; a cluster that numbers its engines from 0 says
+``"engine rank 1"``), so an error names the rank its reader knows.
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ from wcviz.refit.config import check_timeout
 from wcviz.refit.faults import FaultPlan
 from wcviz.refit.verify import RefitError, RefitTimeout
 
-__all__ = ["GroupMember", "group_ranks"]
+__all__ = ["GroupMember", "RankLabel", "abort_before_prepare", "group_ranks"]
+
+RankLabel = Callable[[int], str]  # a global rank as messages name it
 
 _T = TypeVar("_T")
 
@@ -49,6 +53,7 @@ class GroupMember(Transport):
         device: torch.device | str | None,
         backend: str,
         timeout_s: float | timedelta | None,
+        rank_label: RankLabel | None = None,
     ) -> None:
         super().__init__(verify)  # self.mode: off | log | enforce, refused at once if this transport cannot verify
         self.src = int(src)
@@ -57,6 +62,11 @@ class GroupMember(Transport):
         self.backend = backend
         self.timeout = _timeout(timeout_s)
         self._device = torch.device(device) if device is not None else None
+        self.rank_label = rank_label
+
+    def who(self, rank: int) -> str:
+        """Global ``rank`` as this end's messages name it (``rank_label``, else ``"rank 2"``)."""
+        return self.rank_label(rank) if self.rank_label is not None else f"rank {rank}"
 
     @property
     def rank(self) -> int:
@@ -81,7 +91,7 @@ class GroupMember(Transport):
             raise
         except RuntimeError as e:  # gloo and NCCL raise RuntimeError (DistBackendError) subclasses
             raise RefitTimeout(
-                f"refit broadcast: {step} failed on rank {self.rank}: a peer is dead or did not answer in time ({e})"
+                f"refit broadcast: {step} failed on {self.who(self.rank)}: a peer is dead or did not answer in time ({e})"
             ) from e
 
     def _barrier(self, step: str) -> None:
@@ -110,3 +120,25 @@ class GroupMember(Transport):
         out: list[Any] | None = [None] * len(group_ranks(self.group)) if self.rank == self.src else None
         self._collective(step, dist.gather_object, obj, out, dst=self.src, group=self.group)
         return out
+
+
+def abort_before_prepare(
+    error: str,
+    *,
+    src: int = 0,
+    group: dist.ProcessGroup | None = None,
+    timeout_s: float | timedelta | None = None,
+) -> None:
+    """The sender's end of a refit it cannot begin (building its sender failed): open prepare's barrier and send the
+    abort notice where the hello goes, so every engine's ``prepare`` raises with ``error`` at once instead of waiting
+    out the group's timeout, and the group stays usable for the next refit."""
+    try:
+        wait = _timeout(timeout_s)
+    except ValueError:  # the timeout may be what failed: the group's own then
+        wait = None
+    member = GroupMember(verify="off", src=src, group=group, faults=None, device=None, backend="auto", timeout_s=None)
+    member.timeout = wait
+    if member.rank != member.src:
+        raise ValueError(f"abort_before_prepare runs on the src rank {src}, this is rank {member.rank}")
+    member._barrier("prepare")
+    member._broadcast_object("the abort notice", {"kind": "abort", "error": error})

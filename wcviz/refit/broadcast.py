@@ -10,7 +10,8 @@ Prepare (once, :meth:`BroadcastSender.prepare` / :meth:`BroadcastReceiver.prepar
 
 1. a monitored barrier (gloo only): a rank that never arrives is named;
 2. ``broadcast_object_list`` from ``src``: ``{"algo": ...}``, the digest
-   algorithm every receiver uses, so both sides' digests compare;
+   algorithm every receiver uses, so both sides' digests compare (or, from a
+   trainer that could not build its sender, the abort notice: every side raises);
 3. ``gather_object`` to ``src``: each engine's own metadata
    ``{name: (shape, dtype)}``. The receivers slice with it; the sender keeps
    it to name each parameter whose byte size differs on an engine (also when
@@ -61,7 +62,9 @@ the group's timeout within one, and a live engine at most the group's timeout.
 NCCL has no monitored barrier; there the group timeout and NCCL's watchdog
 (``TORCH_NCCL_ASYNC_ERROR_HANDLING``) apply.
 
-Faults (:class:`wcviz.refit.faults.FaultPlan`, given to both sides):
+``rank_label`` (both ends) names a global rank in errors and warnings (default ``rank 2``).
+
+Faults (:class:`wcviz.refit.faults.FaultPlan`, given to both sides; each must name a parameter sent):
 ``sender_after_digest`` alters what the sender packs after digesting it;
 ``wire`` alters the packed bucket (``drop_param`` and ``swap_params`` act as
 the bucket is packed, ``drop_buffer`` skips a bucket the sender still counts
@@ -84,27 +87,18 @@ import torch.distributed as dist
 
 from wcviz._errors import DigestError
 from wcviz.digest import DEFAULT_ALGO, DigestAccumulator, logical_bytes
-from wcviz.refit._control import malformed_digest
-from wcviz.refit._group import GroupMember, group_ranks
+from wcviz.refit._checks import expected_per_rank, received_digests
+from wcviz.refit._group import GroupMember, RankLabel, abort_before_prepare, group_ranks
 from wcviz.refit._packing import ALIGN, Meta, NamedTensors, fingerprint, metadata_of, pack, plan, unpack, walk
 from wcviz.refit._packing import metadata as declared_metadata
 from wcviz.refit._packing import named_tensors as tensor_pairs
 from wcviz.refit.config import DEFAULT_BUFFER_BYTES
-from wcviz.refit.faults import FaultPlan, Swapper, strike
-from wcviz.refit.verify import (
-    RefitDigestMismatch,
-    RefitError,
-    RefitProtocolError,
-    RefitResult,
-    RefitTimeout,
-    compare,
-    expected_names,
-    warn,
-)
+from wcviz.refit.faults import FaultPlan, Swapper, check_broadcast, check_names, strike
+from wcviz.refit.verify import RefitDigestMismatch, RefitError, RefitProtocolError, RefitResult, RefitTimeout, compare, warn
 
 __all__ = [
     "BroadcastDigestMismatch", "BroadcastDuplicateNames", "BroadcastReceiver", "BroadcastResult", "BroadcastSender",
-    "Received", "backend_for", "metadata_of",
+    "Received", "abort_before_prepare", "backend_for", "metadata_of",
 ]  # fmt: skip
 
 log = logging.getLogger("wcviz.refit")
@@ -162,17 +156,19 @@ class BroadcastDigestMismatch(RefitDigestMismatch):
 
     ``.broadcast`` is the whole :class:`BroadcastResult`, ``.ranks`` the bad
     ranks (a mismatch, or nothing checked), ``.result`` the first bad rank's :class:`RefitResult`.
+    ``labels``: how the message names each global rank (default ``rank 2``).
     """
 
-    def __init__(self, broadcast: BroadcastResult) -> None:
+    def __init__(self, broadcast: BroadcastResult, labels: Mapping[int, str] | None = None) -> None:
         bad = {rank: r for rank, r in broadcast.ranks.items() if not r.ok}
-        RefitError.__init__(self, "; ".join(f"rank {rank}: {r.describe()}" for rank, r in bad.items()))
+        self.labels = dict(labels or {})
+        RefitError.__init__(self, "; ".join(f"{self.labels.get(k, f'rank {k}')}: {r.describe()}" for k, r in bad.items()))
         self.broadcast = broadcast
         self.ranks = tuple(bad)
         self.result = next(iter(bad.values()))
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.broadcast,))
+        return (type(self), (self.broadcast, self.labels))
 
 
 class BroadcastDuplicateNames(RefitError, DigestError):
@@ -190,24 +186,6 @@ class Received:
     digests: Mapping[str, str] | None = None
 
 
-def _expected_per_rank(
-    metadata: Mapping[int, Mapping[str, Meta]], sent: list[str], partial: bool, expected: Iterable[str] | None
-) -> dict[int, set[str]]:
-    """What each engine must hold after the stream: all it declares, or the caller's partial refit.
-
-    ``expected`` names apply to each engine as far as it declares them (pipeline stages
-    declare different names); one that no engine declares is an error.
-    """
-    if expected is None:
-        return {rank: expected_names(meta, sent, partial=partial) for rank, meta in metadata.items()}
-    if isinstance(expected, str):
-        raise TypeError("expected must be a list of parameter names, not one string")
-    names = set(expected)
-    declared = set().union(*(set(m) for m in metadata.values())) if metadata else set()
-    expected_names(declared, sent, partial=partial, expected=names)  # the checks: unknown names, sends outside the list
-    return {rank: names & set(meta) for rank, meta in metadata.items()}
-
-
 def _pairs(named_tensors: NamedTensors) -> list[tuple[str, torch.Tensor]]:
     try:
         return tensor_pairs(named_tensors)
@@ -216,12 +194,8 @@ def _pairs(named_tensors: NamedTensors) -> list[tuple[str, torch.Tensor]]:
 
 
 def _received(rank: int, digests: Any, algo: str) -> Mapping[str, str]:
-    if not isinstance(digests, Mapping) or not all(isinstance(n, str) and isinstance(d, str) for n, d in digests.items()):
-        raise RefitProtocolError(f"refit broadcast: rank {rank} sent digests that are not {{name: hex}}: {str(digests)[:200]}")
-    why = malformed_digest(digests, algo)
-    if why is not None:
-        raise RefitProtocolError(f"refit broadcast: rank {rank} sent {why}")
-    return digests
+    """:func:`wcviz.refit._checks.received_digests` naming global ``rank`` as ``rank 2``."""
+    return received_digests(f"rank {rank}", digests, algo)
 
 
 # --- sender ----------------------------------------------------------------------------------------------------
@@ -247,18 +221,12 @@ class BroadcastSender(GroupMember):
         algo: str = DEFAULT_ALGO,
         backend: str = "auto",
         timeout_s: float | timedelta | None = None,
+        rank_label: RankLabel | None = None,
     ) -> None:
-        super().__init__(
-            verify=verify, src=src, group=group, faults=faults, device=device, backend=backend, timeout_s=timeout_s
-        )
+        super().__init__(verify=verify, src=src, group=group, faults=check_broadcast(faults), device=device,
+                         backend=backend, timeout_s=timeout_s, rank_label=rank_label)  # fmt: skip
         if buffer_bytes < ALIGN:
             raise ValueError(f"buffer_bytes={buffer_bytes} is smaller than the {ALIGN}-byte alignment")
-        ranked = [f for f in self.faults.faults if f.ranks and f.point == "sender_after_digest"]
-        if ranked:
-            raise ValueError(
-                f"fault {ranked[0].kind} at sender_after_digest cannot be limited to ranks {list(ranked[0].ranks)}: "
-                "the sender packs one buffer for every engine; use point 'wire' or 'receiver_before_load'"
-            )
         self.buffer_bytes = int(buffer_bytes)
         self.algo = algo
         self.metadata: dict[int, dict[str, Meta]] | None = None
@@ -298,7 +266,8 @@ class BroadcastSender(GroupMember):
         why = "the trainer refused its own input, nothing was sent: "
         try:
             items = _pairs(named_tensors)
-            want = _expected_per_rank(self.metadata, [name for name, _ in items], partial, expected)
+            want = expected_per_rank(self.metadata, [name for name, _ in items], partial, expected)
+            check_names(self.faults, (name for name, _ in items))  # a fault on a name never sent would test nothing
             why = ""
             sent = {name: Meta.of(t) for name, t in items}
             nbytes = sum(m.nbytes for m in sent.values())
@@ -396,7 +365,7 @@ class BroadcastSender(GroupMember):
                 problems[rank] = lines
         if problems:
             raise RefitProtocolError(
-                "refit broadcast: " + "; ".join(f"rank {rank}: {'; '.join(lines)}" for rank, lines in problems.items())
+                "refit broadcast: " + "; ".join(f"{self.who(rank)}: {'; '.join(lines)}" for rank, lines in problems.items())
             )
         if self.mode == "off":
             return BroadcastResult(
@@ -405,7 +374,7 @@ class BroadcastSender(GroupMember):
         silent = [rank for rank, report in reports.items() if report.get("digests") is None]
         if silent:
             raise RefitProtocolError(
-                f"refit broadcast: verification is on but rank(s) {', '.join(map(str, silent))} sent no digests "
+                f"refit broadcast: verification is on but {', '.join(map(self.who, silent))} sent no digests "
                 "(is verify off on that engine?)"
             )
         if not reports:
@@ -418,7 +387,7 @@ class BroadcastSender(GroupMember):
                 rank: compare(
                     self.mode,
                     digests,
-                    _received(rank, report["digests"], self.algo),
+                    received_digests(self.who(rank), report["digests"], self.algo),
                     nbytes=nbytes,
                     expected=want[rank],
                     declared=len((self.metadata or {}).get(rank, {})),
@@ -427,9 +396,9 @@ class BroadcastSender(GroupMember):
             },
         )
         if not result.ok and self.mode == "enforce":
-            raise BroadcastDigestMismatch(result)
+            raise BroadcastDigestMismatch(result, {rank: self.who(rank) for rank in result.ranks})
         for rank, r in result.ranks.items():
-            warn(r, f"refit broadcast: rank {rank}: ")
+            warn(r, f"refit broadcast: {self.who(rank)}: ")
         return result
 
 
@@ -458,10 +427,10 @@ class BroadcastReceiver(GroupMember):
         device: torch.device | str | None = None,
         backend: str = "auto",
         timeout_s: float | timedelta | None = None,
+        rank_label: RankLabel | None = None,
     ) -> None:
-        super().__init__(
-            verify=verify, src=src, group=group, faults=faults, device=device, backend=backend, timeout_s=timeout_s
-        )
+        super().__init__(verify=verify, src=src, group=group, faults=faults, device=device, backend=backend,
+                         timeout_s=timeout_s, rank_label=rank_label)  # fmt: skip
         self.metadata = declared_metadata(metadata)
         self.load_weights = load_weights
         self.algo: str | None = None
@@ -489,6 +458,8 @@ class BroadcastReceiver(GroupMember):
             raise ValueError(f"BroadcastReceiver runs on an engine rank, this is the src rank {self.src}")
         self._barrier("prepare")
         hello = self._broadcast_object("prepare: the sender's hello")
+        if hello.get("kind") == "abort":  # the trainer could not build its sender
+            raise RefitProtocolError(f"refit broadcast: the sender aborted the refit at prepare ({hello.get('error')})")
         self.algo = hello["algo"]
         declared = self._declared_now()
         self._prepared = fingerprint(declared) if declared is not None else None
@@ -556,7 +527,7 @@ class BroadcastReceiver(GroupMember):
             report["digests"] = digests
         self._gather("sending the report", report)
         if errors:
-            raise RefitProtocolError(f"refit broadcast: rank {self.rank}: " + "; ".join(errors))
+            raise RefitProtocolError(f"refit broadcast: {self.who(self.rank)}: " + "; ".join(errors))
         return Received(self.rank, buckets, params, nbytes, digests)
 
     def _slice(

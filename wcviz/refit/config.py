@@ -43,6 +43,7 @@ __all__ = [
     "RefitConfig",
     "RefitConfigError",
     "VerifyConfig",
+    "check_buffer_bytes",
     "check_timeout",
     "parse_refit_config",
     "verify_mode",
@@ -101,6 +102,14 @@ def check_timeout(value: Any, where: str = "timeout_s") -> float:
         f"invalid value for {where}: {value!r}; it must be a finite number of seconds > 0 "
         f"and at most {MAX_TIMEOUT_S:.0f} (about 24.8 days)"
     )
+
+
+def check_buffer_bytes(value: Any, where: str = "buffer_bytes") -> int:
+    """``value`` if it is an integer number of bytes >= the 512-byte alignment (not a bool, not a float), else
+    :class:`RefitConfigError` (a ValueError) naming ``where``: the config and the simulated cluster check with it."""
+    if isinstance(value, int) and not isinstance(value, bool) and value >= ALIGN:
+        return value
+    raise RefitConfigError(f"invalid value for {where}: {value!r}; it must be an integer number of bytes >= {ALIGN}")
 
 
 def _check_mode(value: Any) -> str:
@@ -162,9 +171,7 @@ class RefitConfig(BaseModel):
     @field_validator("buffer_bytes", mode="before")
     @classmethod
     def _buffer_bytes(cls, value: Any) -> int:
-        if isinstance(value, int) and not isinstance(value, bool) and value >= ALIGN:
-            return value
-        raise ValueError(f"invalid value for buffer_bytes: {value!r}; it must be an integer number of bytes >= {ALIGN}")
+        return check_buffer_bytes(value)
 
     @field_validator("timeout_s", mode="before")
     @classmethod

@@ -17,11 +17,14 @@ parameter is cast to ``dtype`` on that path, same byte size), ``swap_params``
 (two same-size parameters' bytes trade places).
 
 ``ranks`` limits a fault to some receivers where a transport has several (the
-broadcast); empty, the default, strikes every receiver.
+broadcast); empty, the default, strikes every receiver. A fault must name
+parameters that are sent (:func:`check_names`, at each send): a typo would
+otherwise break nothing and the refit would pass as if the fault had been tried.
 """
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -30,7 +33,8 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
-    "POINTS", "KINDS", "Fault", "FaultPlan", "Swapper", "as_like", "pack_shifted", "shifted", "strike", "swap_named",
+    "POINTS", "KINDS", "Fault", "FaultPlan", "Swapper", "as_like", "check_broadcast", "check_names", "pack_shifted",
+    "shifted", "strike", "swap_named",
 ]  # fmt: skip
 
 POINTS = ("sender_after_digest", "wire", "receiver_before_load")
@@ -116,6 +120,39 @@ class FaultPlan:
                     raise ValueError(f"fault cast_dtype on {name!r}: {out.dtype} -> {target} changes the byte size")
                 out = out.detach().to(target)
         return out
+
+
+def check_broadcast(plan: FaultPlan | None) -> FaultPlan:
+    """``plan`` (None: an empty one) if the broadcast can apply every fault of it, else a ValueError naming the fault.
+
+    The sender packs one buffer for every engine, so a ``sender_after_digest`` fault
+    cannot be limited to ``ranks``. Checked where the plan is given: by the sender,
+    and by whoever hands it on (the simulated cluster, before any rank is told).
+    """
+    if plan is None:
+        return FaultPlan()
+    if not isinstance(plan, FaultPlan):
+        raise TypeError(f"faults must be a wcviz.refit.FaultPlan, got {type(plan).__name__}")
+    ranked = [f for f in plan.faults if f.ranks and f.point == "sender_after_digest"]
+    if ranked:
+        raise ValueError(
+            f"fault {ranked[0].kind} at sender_after_digest cannot be limited to ranks {list(ranked[0].ranks)}: "
+            "the sender packs one buffer for every engine; use point 'wire' or 'receiver_before_load'"
+        )
+    return plan
+
+
+def check_names(plan: FaultPlan, sent: Iterable[str]) -> None:
+    """A ValueError naming the first parameter a fault of ``plan`` names that is not in ``sent``, with the nearest
+    names sent: a fault on a parameter that never passes would be a silent no-op (a typo, a passing refit)."""
+    names = list(sent)
+    known = set(names)
+    for f in plan.faults:
+        for p in f.params:
+            if p not in known:
+                near = difflib.get_close_matches(p, names, n=3, cutoff=0.6)
+                hint = f" (nearest: {', '.join(near)})" if near else ""
+                raise ValueError(f"fault {f.kind} at {f.point} names {p!r}, which is not among the {len(names)} parameters sent{hint}")
 
 
 def as_like(src: torch.Tensor, like: torch.Tensor, what: str = "") -> torch.Tensor:

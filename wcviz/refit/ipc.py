@@ -63,7 +63,7 @@ from wcviz.refit._packing import named_tensors as tensor_pairs
 from wcviz.refit._shm import OwnedBuffer
 from wcviz.refit._transport import Transport
 from wcviz.refit.config import DEFAULT_BUFFER_BYTES, DEFAULT_TIMEOUT_S, check_timeout
-from wcviz.refit.faults import FaultPlan, pack_shifted, swap_named
+from wcviz.refit.faults import FaultPlan, check_names, pack_shifted, swap_named
 from wcviz.refit.verify import RefitProtocolError, RefitResult, expected_names, verify_digests
 
 if TYPE_CHECKING:
@@ -205,12 +205,14 @@ class IPCSender(Transport):
         ``expected=[names]`` (exactly those). ``log`` warns naming each parameter that
         did not arrive intact and returns the result; ``enforce`` raises
         :class:`RefitDigestMismatch`. A receiver that refuses a batch is
-        :class:`RefitProtocolError`, a silent one :class:`RefitTimeout`.
+        :class:`RefitProtocolError`, a silent one :class:`RefitTimeout`. A fault naming a
+        parameter that is not sent is a ValueError before anything is sent.
         """
         tensors = tensor_pairs(named_tensors)
         try:
             metadata = self.prepare()  # what the receiver declares now, never what an earlier one declared (a copy)
             self._check_framing(tensors, metadata)
+            check_names(self.faults, (n for n, _ in tensors))  # a fault on a name never sent would test nothing
             want = expected_names(metadata, (n for n, _ in tensors), partial=partial, expected=expected)
             acc = DigestAccumulator() if self.verifying else None
             reply = self._stream(self._outgoing(tensors), dict(tensors), acc)

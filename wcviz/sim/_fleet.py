@@ -26,12 +26,16 @@ class ClusterFleet(AgentFleet):
     its transport check kept in :attr:`transport`), ``"checkpoint"``: each agent reloads the last checkpoint."""
 
     def __init__(self, cluster: Cluster, *, reload: str = "refit", **options: Any) -> None:
+        from wcviz.sim.cluster import ClusterError
+
         if reload not in ("refit", "checkpoint"):
             raise ValueError(f"reload must be 'refit' or 'checkpoint', got {reload!r}")
+        if not cluster.running and not cluster.urls("engine"):
+            raise ClusterError("the cluster is not started: call cluster.start() (or use `with Cluster(...) as cluster:`) first")
         super().__init__(cluster.urls("engine"), token=cluster.token, reload=self._refit if reload == "refit" else None, **options)
         self.cluster = cluster
-        self.transport: Any = None  # the last refit's BroadcastResult
-        self.notes: list[str] = []
+        self.transport: Any = None  # the last reload's refit BroadcastResult (None when that reload was no refit)
+        self.notes: list[str] = []  # appended to, one per reload that had to differ; a caller takes those of its reload
 
     def stopped(self) -> str | None:
         """Why no rank can answer (the cluster was stopped), or None while it runs."""
@@ -46,6 +50,7 @@ class ClusterFleet(AgentFleet):
         return None if self.cluster.allow_mutations else "the cluster was started without allow_mutations=True"
 
     def _refit(self) -> ActionResult | None:
+        self.transport = None  # this reload's own: an earlier refit's check never stands for a checkpoint load
         dead = self.cluster.dead_engines()
         if not dead:
             try:

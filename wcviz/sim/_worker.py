@@ -38,6 +38,12 @@ TRAINER = "trainer"
 ENGINE = "engine"
 
 
+def world_label(world_rank: int) -> str:
+    """A broadcast world rank as the cluster names it: world rank 0 is the trainer, world rank ``1 + i`` engine rank
+    ``i`` (so a refit error names the engine rank the driver's user knows, never the world rank)."""
+    return f"{TRAINER} rank 0" if world_rank == 0 else f"{ENGINE} rank {world_rank - 1}"
+
+
 @dataclass(frozen=True)
 class Spec:
     """Everything a rank process needs to start (picklable: it crosses the spawn)."""
@@ -130,35 +136,55 @@ class Trainer(_Rank):
 
     def step(self, k: int | None = None) -> int:
         """Advance to step ``k`` (default: the next); step k's weights depend on k only."""
+        k = self.step_k + 1 if k is None else int(k)
+        weights = self._weights_at(k)
+        with self.lock:
+            self.weights, self.step_k = weights, k
+        return k
+
+    def _weights_at(self, k: int) -> dict[str, torch.Tensor]:
+        """The weights of step ``k``, computed from the base (step k's weights depend on k only)."""
         from wcviz.sim.model import step
 
-        k = self.step_k + 1 if k is None else int(k)
         if k < 0:
             raise ValueError(f"step must be >= 0, got {k}")
         weights = self.base
         for i in range(1, k + 1):
             weights = step(weights, i)
-        with self.lock:
-            self.weights, self.step_k = weights, k
-        return k
+        return weights
 
     def refit(self, wire: Any = None) -> Any:
-        """Broadcast the current weights to every engine; the :class:`BroadcastResult` (transport check)."""
-        from wcviz.refit import BroadcastSender
+        """Broadcast the current weights to every engine; the :class:`BroadcastResult` (transport check).
 
-        tx = BroadcastSender(
-            verify=self.spec.verify, src=0, buffer_bytes=self.spec.buffer_bytes, faults=wire, algo=self.spec.algo, timeout_s=self.spec.timeout_s
-        )
+        The engines already wait in prepare's barrier: if the sender cannot be built (a
+        fault plan it refuses), they are told so there, never left to wait out the
+        timeout with the group broken for every later refit.
+        """
+        from wcviz.refit import BroadcastSender
+        from wcviz.refit.broadcast import abort_before_prepare
+
+        try:
+            tx = BroadcastSender(
+                verify=self.spec.verify, src=0, buffer_bytes=self.spec.buffer_bytes, faults=wire, algo=self.spec.algo,
+                timeout_s=self.spec.timeout_s, rank_label=world_label,
+            )  # fmt: skip
+        except Exception as e:
+            why = f"the trainer could not start the refit: {type(e).__name__}: {e}"
+            with contextlib.suppress(Exception):  # the engines cannot be told (one is dead): the trainer's error says why
+                abort_before_prepare(why, timeout_s=self.spec.timeout_s)
+            raise
         tx.prepare()
         with self.lock:
             return tx.send(self.weights)
 
-    def save_checkpoint(self, directory: str) -> str:
-        """Write the current weights as a Hugging Face style safetensors checkpoint."""
+    def save_checkpoint(self, directory: str, step: int | None = None) -> str:
+        """Write the current weights (or step ``step``'s: the trainer stays where it is) as a Hugging Face style
+        safetensors checkpoint."""
         from wcviz.sim.model import save_checkpoint
 
         with self.lock:
-            save_checkpoint(self.weights, directory, shards=2)
+            weights = self.weights if step is None or step == self.step_k else self._weights_at(step)
+            save_checkpoint(weights, directory, shards=2)
         return directory
 
 
@@ -189,7 +215,9 @@ class Engine(_Rank):
     def refit(self, wire: Any = None) -> dict[str, Any]:
         from wcviz.refit import BroadcastReceiver
 
-        rx = BroadcastReceiver(self.metadata, self.load, verify=self.spec.verify, src=0, faults=wire, timeout_s=self.spec.timeout_s)
+        rx = BroadcastReceiver(
+            self.metadata, self.load, verify=self.spec.verify, src=0, faults=wire, timeout_s=self.spec.timeout_s, rank_label=world_label
+        )
         rx.prepare()
         self.written = set()
         got = rx.receive()

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from wcviz._errors import WcvizError
+from wcviz._errors import WcvizError, check_deadline
 from wcviz.sim import _worker
 from wcviz.sim._procs import Key, RankProcesses
 from wcviz.sim.engine import EngineLayout, LoaderFaults
@@ -84,8 +84,10 @@ class Cluster:
     ``verify``: the refit's transport check (off | log | enforce). ``agents``: start an
     HTTP agent on every rank. ``allow_mutations``: let the engine agents snapshot,
     reset and reload (destructive: a reset poisons the engine's weights) for bearer
-    ``token`` (a random one when not given). ``timeout_s`` bounds start-up, every
-    command and every collective.
+    ``token`` (a random one when not given). ``algo``: the digest algorithm every rank
+    uses. ``buffer_bytes``: the refit's staging buffer. ``timeout_s`` bounds start-up,
+    every command and every collective. Every argument is checked here, before any
+    process is spawned.
     """
 
     def __init__(
@@ -109,18 +111,14 @@ class Cluster:
         layout = layout if layout is not None else EngineLayout(tp=2, pp=2)
         if not isinstance(layout, EngineLayout):
             raise TypeError(f"layout must be a wcviz.sim.EngineLayout, got {type(layout).__name__}")
-        from wcviz.sim.engine import _check_layout
-
-        for r in range(layout.world_size):
-            dp, pp, tp = layout.coords(r)
-            _check_layout(cfg, tp, layout.tp, pp, layout.pp, dp, layout.dp, False)
-        if not 0 < timeout_s < float("inf"):  # NaN and inf too: a deadline must be a number of seconds
-            raise ValueError(f"timeout_s must be a finite number of seconds > 0, got {timeout_s}")
+        layout.check(cfg)
+        timeout_s, _ = check_deadline(timeout_s)  # a deadline must be a number of seconds
         self.cfg, self.layout = cfg, layout
         self.verify = verify_mode(verify)
         self.agents, self.allow_mutations = bool(agents), bool(allow_mutations)
         self.token = token if token is not None else (secrets.token_urlsafe(16) if allow_mutations else None)
-        self.algo, self.buffer_bytes, self.timeout_s = algo, int(buffer_bytes), float(timeout_s)
+        buffer_bytes = _checked_options(algo, token, allow_mutations, buffer_bytes)
+        self.algo, self.buffer_bytes, self.timeout_s = algo, buffer_bytes, float(timeout_s)
         self._workdir_given = workdir is not None
         self.workdir: Path | None = Path(workdir) if workdir is not None else None
         self.ranks: dict[Key, RankInfo] = {}
@@ -128,6 +126,8 @@ class Cluster:
         self._stop_listeners: list[Callable[[], object]] = []
         self.step_k = 0
         self.checkpoint: Path | None = None
+        self._checkpoint_step: int | None = None  # the step whose weights self.checkpoint holds
+        self._engine_step: int | None = 0  # the step the engines were last refit with (None: unknown, a refit failed)
 
     # ---- lifecycle -----------------------------------------------------------------------
 
@@ -253,19 +253,24 @@ class Cluster:
     def refit(self, *, wire: FaultPlan | None = None) -> BroadcastResult:
         """Broadcast the trainer's weights to every engine, digests compared per rank (the transport check).
 
-        The result's ``ranks`` are keyed by engine rank (the broadcast's own world ranks are one higher).
+        The result's ``ranks`` are keyed by engine rank (the broadcast's own world ranks are
+        one higher), and its errors and warnings name engine ranks too.
 
         ``wire``: transport faults (:class:`wcviz.refit.FaultPlan`) for this refit only; a
-        fault's ``ranks`` are engine ranks here.
+        fault's ``ranks`` are engine ranks here. A plan the broadcast cannot apply is
+        refused here, before any rank is told.
         """
         from dataclasses import replace
 
-        from wcviz.refit.faults import FaultPlan
+        from wcviz.refit.faults import FaultPlan, check_broadcast
 
         if wire is not None:  # engine ranks -> the broadcast's world ranks
+            check_broadcast(wire)
             wire = FaultPlan(tuple(replace(f, ranks=tuple(r + 1 for r in self._ranks_of(f.ranks))) for f in wire.faults))
         keys = [self._trainer, *self._engine_keys()]
+        self._engine_step = None  # until the refit is through, what the engines hold is not known
         result: BroadcastResult = self._call(keys, "refit", wire=wire)[self._trainer]
+        self._engine_step = self.step_k
         return replace(result, ranks={world - 1: r for world, r in result.ranks.items()})  # engine ranks, not world ranks
 
     def set_faults(self, faults: LoaderFaults | Mapping[int, LoaderFaults] | None) -> None:
@@ -273,34 +278,39 @@ class Cluster:
 
         ``None`` (or an empty mapping) heals every rank. Dead ranks are skipped: they load nothing.
         """
-        if faults is None or isinstance(faults, LoaderFaults):
-            per_rank = {r: faults or LoaderFaults() for r in range(self.layout.world_size)}
-        elif isinstance(faults, Mapping):
-            per_rank = {r: LoaderFaults() for r in range(self.layout.world_size)}
-            for r, f in faults.items():
-                if not isinstance(f, LoaderFaults):
-                    raise TypeError(f"faults for engine rank {r} must be LoaderFaults, got {type(f).__name__}")
-                self._engine_keys([r])
-                per_rank[r] = f
-        else:
-            raise TypeError(f"faults must be LoaderFaults, a mapping engine rank -> LoaderFaults, or None; got {type(faults).__name__}")
-        for r, f in per_rank.items():
-            if f.tp_as is not None and not 0 <= f.tp_as < self.layout.tp:
-                raise ValueError(f"engine rank {r}: LoaderFaults.tp_as={f.tp_as} is outside tp 0..{self.layout.tp - 1}")
+        self._set_faults(_loader_faults(faults, self.layout))
+
+    def _set_faults(self, per_rank: Mapping[int, LoaderFaults]) -> None:
         self.dead_engines()
         for r, f in per_rank.items():
             key = self._engine_keys([r])[0]
             if not self._procs.is_dead(key):
                 self._call([key], "set_faults", faults=f)
 
-    def save_checkpoint(self) -> Path:
-        """The trainer writes its current weights as safetensors; engine agents' ``reload`` loads them."""
+    def save_checkpoint(self, step: int | None = None) -> Path:
+        """The trainer writes its current weights (or those of ``step``; it stays at its own) as safetensors;
+        engine agents' ``reload`` loads them."""
         assert self.workdir is not None
-        path = self.workdir / f"checkpoint-step{self.step_k}"
-        self._call([self._trainer], "save_checkpoint", directory=str(path))
+        step = self.step_k if step is None else step
+        path = self.workdir / f"checkpoint-step{step}"
+        self._call([self._trainer], "save_checkpoint", directory=str(path), step=step)
         self._call([k for k in self._engine_keys() if not self._procs.is_dead(k)], "set_checkpoint", directory=str(path))
-        self.checkpoint = path
+        self.checkpoint, self._checkpoint_step = path, step
         return path
+
+    def _current_checkpoint(self) -> list[str]:
+        """Make :attr:`checkpoint` one of the step the engines were last refit with, saved anew if it is not: a
+        checkpoint of another step makes a healthy loader's reload differ from the snapshot, all "corrupted".
+        What the report's notes should say about it."""
+        want = self._engine_step if self._engine_step is not None else self.step_k
+        if self.checkpoint is not None and self._checkpoint_step == want:
+            return []
+        old, old_step = self.checkpoint, self._checkpoint_step
+        self.save_checkpoint(step=want)
+        if old is None:
+            return []
+        held = "the engines were last refit with" if self._engine_step is not None else "the trainer is at"
+        return [f"the last checkpoint ({old.name}) was of step {old_step}, {held} step {want}: the reload used a fresh one"]
 
     def digests(self, role: str = "engine", phase: str | None = None) -> pd.DataFrame:
         """Every rank's digests, asked over the command pipes (no HTTP), concatenated by rank."""
@@ -377,10 +387,12 @@ class Cluster:
         weight until the reload. ``reload="refit"``: the trainer refits every engine
         again (the update under test; its transport check lands in the report's
         ``transport``); ``"checkpoint"``: each engine agent reloads the last
-        :meth:`save_checkpoint`. ``faults``, when given, are set after the reset, so
-        they strike the update under test only (and stay set afterwards). Other
-        arguments (``timeout_s``, ``retries``, ``allow_partial_reset``, ...) go to the
-        agents' fleet and :func:`wcviz.endstate.run`.
+        :meth:`save_checkpoint`, saved afresh first when it is not of the step the
+        engines were last refit with (a checkpoint of another step would call a healthy
+        loader corrupted; the report's ``notes`` say so). ``faults``, when given, are
+        checked first and set after the reset, so they strike the update under test
+        only (and stay set afterwards). Other arguments (``timeout_s``, ``retries``,
+        ``allow_partial_reset``, ...) go to the agents' fleet and :func:`wcviz.endstate.run`.
 
         A dead engine rank cannot take part in a refit: the living ranks are then
         reloaded from a checkpoint (the report's ``notes`` say so; :mod:`wcviz.sim._fleet`).
@@ -389,18 +401,18 @@ class Cluster:
 
         if not self.allow_mutations:
             raise ClusterError("the end-state check resets every engine rank: start the cluster with allow_mutations=True")
-        if reload == "checkpoint" and self.checkpoint is None:
-            self.save_checkpoint()
+        per_rank = _loader_faults(faults, self.layout) if faults is not None else None  # refused before the reset
         network = {k: kwargs.pop(k) for k in ("timeout_s", "retries", "client", "transport") if k in kwargs}
         fleet = self.fleet(reload=reload, **network)
+        notes = self._current_checkpoint() if reload == "checkpoint" else []
 
         def inject() -> None:
-            if faults is not None:
-                self.set_faults(faults)
+            if per_rank is not None:
+                self._set_faults(per_rank)
 
         report = run(EndStateSession(fleet), before_reload=inject, progress=progress, **kwargs)
         report.transport = fleet.transport
-        report.notes.extend(fleet.notes)
+        report.notes.extend(notes + fleet.notes)
         return report
 
     def fleet(self, *, reload: str = "refit", **options: Any) -> ClusterFleet:
@@ -414,3 +426,42 @@ class Cluster:
     def dead_engines(self) -> list[RankInfo]:
         """The engine ranks whose process is gone (marked dead from now on)."""
         return [self.ranks[k] for k in self._engine_keys() if self._procs.is_dead(k)]
+
+
+def _checked_options(algo: str, token: str | None, allow_mutations: bool, buffer_bytes: int) -> int:
+    """``buffer_bytes`` once ``algo``, ``token`` and it are known good; else an error naming the one that is not.
+
+    Each rank would refuse them too, but only once spawned, after start-up timed out.
+    """
+    from wcviz.digest import ALGORITHMS
+    from wcviz.refit.config import check_buffer_bytes
+
+    if algo not in ALGORITHMS:
+        raise ValueError(f"algo: unknown digest algorithm {algo!r}; choose one of {', '.join(ALGORITHMS)}")
+    if token is not None and not isinstance(token, str):
+        raise TypeError(f"token must be a string, got {type(token).__name__}")
+    if allow_mutations and token == "":  # the agents refuse mutations without a token
+        raise ValueError("token must not be empty with allow_mutations=True: the mutating endpoints need one (omit it for a random one)")
+    return check_buffer_bytes(buffer_bytes)
+
+
+def _loader_faults(faults: LoaderFaults | Mapping[int, LoaderFaults] | None, layout: EngineLayout) -> dict[int, LoaderFaults]:
+    """``faults`` as ``{engine rank: LoaderFaults}`` for every rank of ``layout``, or an error naming what is wrong:
+    checked before anything is sent (or, in an end-state check, reset)."""
+    n = layout.world_size
+    if faults is None or isinstance(faults, LoaderFaults):
+        per_rank = {r: faults or LoaderFaults() for r in range(n)}
+    elif isinstance(faults, Mapping):
+        per_rank = {r: LoaderFaults() for r in range(n)}
+        for r, f in faults.items():
+            if not isinstance(f, LoaderFaults):
+                raise TypeError(f"faults for engine rank {r} must be LoaderFaults, got {type(f).__name__}")
+            if not (isinstance(r, int) and 0 <= r < n):
+                raise ValueError(f"engine rank(s) {[r]} outside 0..{n - 1}")
+            per_rank[r] = f
+    else:
+        raise TypeError(f"faults must be LoaderFaults, a mapping engine rank -> LoaderFaults, or None; got {type(faults).__name__}")
+    for r, f in per_rank.items():
+        if f.tp_as is not None and not 0 <= f.tp_as < layout.tp:
+            raise ValueError(f"engine rank {r}: LoaderFaults.tp_as={f.tp_as} is outside tp 0..{layout.tp - 1}")
+    return per_rank

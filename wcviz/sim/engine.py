@@ -23,6 +23,7 @@ the loader bugs users report, so that verification has something to catch.
 
 from __future__ import annotations
 
+import operator
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, fields
@@ -61,9 +62,18 @@ class EngineLayout:
     dp: int = 1
 
     def __post_init__(self) -> None:
-        for field in ("tp", "pp", "dp"):
-            if getattr(self, field) < 1:
-                raise ValueError(f"EngineLayout.{field} must be >= 1, got {getattr(self, field)}")
+        """Every size an integer >= 1 (a bool or 1.5 would make a fractional world or a rank that cannot exist)."""
+        for name in ("tp", "pp", "dp"):
+            value = getattr(self, name)
+            try:
+                size = operator.index(value)  # int, numpy ints; never 1.5 or "2"
+            except TypeError:
+                size = None
+            if isinstance(value, bool) or size is None:
+                raise ValueError(f"EngineLayout.{name} must be an integer >= 1, got {value!r}")
+            if size < 1:
+                raise ValueError(f"EngineLayout.{name} must be >= 1, got {value}")
+            object.__setattr__(self, name, size)
 
     @property
     def world_size(self) -> int:
@@ -78,6 +88,13 @@ class EngineLayout:
     def rank(self, dp: int, pp: int, tp: int) -> int:
         """Global rank of coordinates (dp, pp, tp)."""
         return (dp * self.pp + pp) * self.tp + tp
+
+    def check(self, cfg: ModelConfig, engine: str = "vllm") -> None:
+        """A ValueError saying what of ``cfg`` this layout cannot split (a TP size that does not divide the heads,
+        more stages than layers, ...), for every rank; checked before any rank is started."""
+        for r in range(self.world_size):
+            dp, pp, tp = self.coords(r)
+            _check_layout(cfg, tp, self.tp, pp, self.pp, dp, self.dp, False, engine)
 
 
 @dataclass(frozen=True)

@@ -65,7 +65,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import pandas as pd
 
-from wcviz._errors import AlgorithmMismatch, CheckpointError, DigestError, GatherError, TableError, WcvizError
+from wcviz._errors import AlgorithmMismatch, CheckpointError, DigestError, GatherError, TableError, WcvizError, check_deadline
 from wcviz.digest import DEFAULT_ALGO
 from wcviz.frame import IDENTITY, empty_frame, identity_clash, validate
 from wcviz.sources._tensors import from_named_tensors
@@ -104,9 +104,7 @@ def _group_ranks(dist: Any, group: ProcessGroup | None) -> list[int]:
 def _timedelta(timeout_s: float | timedelta | None) -> timedelta | None:
     if timeout_s is None or isinstance(timeout_s, timedelta):
         return timeout_s
-    if float(timeout_s) <= 0:
-        raise ValueError(f"timeout_s must be positive, got {timeout_s}")
-    return timedelta(seconds=float(timeout_s))
+    return timedelta(seconds=check_deadline(timeout_s)[0])
 
 
 def _group_timeout(dist: Any, group: ProcessGroup | None) -> timedelta | None:

@@ -91,6 +91,15 @@ class NotDelivered(Unreachable, NotRun):
     """The connection was refused: the request never reached the rank."""
 
 
+_BACKOFF_S = 0.1
+_BACKOFF_MAX_S = 2.0  # the pause before a retry doubles up to this: --retries 20 costs ~20 timeouts, not a day
+
+
+def backoff_s(attempt: int) -> float:
+    """The pause before retry ``attempt`` (1, 2, ...) of a read: doubling from 0.1 s, never above 2 s."""
+    return min(_BACKOFF_S * 2.0 ** min(attempt - 1, 32), _BACKOFF_MAX_S)
+
+
 def kind_of(error: BaseException) -> str:
     """``unreachable``, ``empty`` or ``failed``: the ``kind`` column of a failed rank."""
     if isinstance(error, Unreachable):
@@ -100,18 +109,22 @@ def kind_of(error: BaseException) -> str:
 
 def message_of(resp: httpx.Response) -> str:
     """An HTTP error answer's JSON ``error`` (its ``message`` when it is an object, as vLLM's are), ``message`` or
-    ``detail``, or the start of whatever else the body holds."""
+    ``detail``, or the start of whatever else the body holds. Never raises for the body: one the parser refuses
+    (not JSON, a number past Python's digit limit, nesting past its recursion limit) is shown as text."""
     try:
         body = resp.json()
-    except ValueError:
+    except (ValueError, RecursionError):
         body = None
     if isinstance(body, dict):
         for k in ("error", "message", "detail"):
             if k in body:
                 said = body[k]
                 if isinstance(said, dict) and "message" in said:  # vLLM: {"error": {"message", "type", "param", "code"}}
-                    return str(said["message"])
-                return str(said)
+                    said = said["message"]
+                try:
+                    return str(said)
+                except (ValueError, RecursionError):  # a value nested too deep to print: shown as text below
+                    break
     return resp.text[:200] or resp.reason_phrase
 
 
@@ -131,6 +144,11 @@ def checked_url(url: Any) -> str:
         raise ValueError(f"{str(url)[:200]!r} is not an agent URL: expected http://host:port (or https://)")
     if parsed.port is not None and not 0 < parsed.port < 65536:
         raise ValueError(f"{str(url)[:200]!r} is not an agent URL: port {parsed.port} is not 1..65535")
+    if parsed.userinfo:  # never echoed: it may hold a password
+        raise ValueError(f"the agent URL for {parsed.host} holds a user name or password: an agent takes a bearer token (token=...), not URL credentials")
+    extra = [what for what, there in (("a path", parsed.path not in ("", "/")), ("a query", parsed.query), ("a fragment", parsed.fragment)) if there]
+    if extra:
+        raise ValueError(f"{text[:200]!r} is not an agent URL: it has {' and '.join(extra)}; expected http://host:port (the agent serves /v1/... at its root)")
     return text
 
 

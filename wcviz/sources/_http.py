@@ -23,10 +23,12 @@ from typing import Any
 
 import httpx
 
+from wcviz._errors import check_deadline, check_token
 from wcviz._names import name_filter
 from wcviz._text import one_line
 from wcviz.sources._fleet import (
     FAILED_COLUMNS,
+    KEY,
     ActionResult,
     Empty,
     Failed,
@@ -35,8 +37,8 @@ from wcviz.sources._fleet import (
     Refused,
     Targets,
     Unreachable,
-    KEY,
     assemble_tables,
+    backoff_s,
     check_expected,
     count_mismatch,
     empty_reason,
@@ -49,8 +51,6 @@ from wcviz.sources._wire import COLUMNS_MEDIA_TYPE, RankTable, WireError, table_
 
 __all__ = ["FAILED_COLUMNS", "ActionResult", "FetchResult", "Targets", "act", "act_agents", "fetch", "fetch_agents", "fetch_infos"]
 
-_BACKOFF_S = 0.1
-
 
 async def _get(
     client: httpx.AsyncClient, url: str, params: Mapping[str, str], timeout_s: float, retries: int, headers: Mapping[str, str] | None = None
@@ -59,7 +59,7 @@ async def _get(
     last: BaseException | None = None
     for attempt in range(retries + 1):
         if attempt:
-            await asyncio.sleep(_BACKOFF_S * 2 ** (attempt - 1))
+            await asyncio.sleep(backoff_s(attempt))
         try:
             # wait_for too: a transport without timeouts (ASGITransport) must not hang a rank
             resp = await asyncio.wait_for(client.get(url, params=params, headers=headers, timeout=timeout_s), timeout_s)
@@ -139,8 +139,7 @@ async def fetch_agents(
     pattern the agents filter parameter names by. Never raises for a rank that fails:
     see :class:`FetchResult`.
     """
-    if retries < 0 or not 0 < timeout_s < float("inf"):  # NaN and inf too
-        raise ValueError(f"retries must be >= 0 and timeout_s a finite number of seconds > 0, got {retries} and {timeout_s}")
+    timeout_s, retries = check_deadline(timeout_s, retries)
     name_filter(name)  # a bad pattern is the caller's error, named here, not one failure per rank
     targets, knowns = normalize(urls)
     http, own = _client(client, transport, timeout_s)
@@ -186,29 +185,41 @@ def fetch(urls: Targets, **kwargs: Any) -> FetchResult:
     return _blocking("fetch", fetch_agents, urls, **kwargs)
 
 
-def fetch_infos(urls: Targets, *, timeout_s: float = 10.0) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
-    """Each agent's ``/v1/info`` now (who it is, whether it allows mutations), or why there is none.
-
-    Plain blocking requests, no event loop (a Jupyter kernel can call it anywhere).
-    """
+async def fetch_infos_async(
+    urls: Targets, *, client: httpx.AsyncClient | None = None, transport: httpx.AsyncBaseTransport | None = None, timeout_s: float = 10.0
+) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
+    """Each agent's ``/v1/info`` now (who it is, whether it allows mutations), or why there is none; all at once, one
+    try each (a fleet of silent ranks costs one timeout). ``client``/``transport`` as for :func:`fetch_agents`."""
+    timeout_s, _ = check_deadline(timeout_s)
     targets, _ = normalize(urls)
+    http, own = _client(client, transport, timeout_s)
+    try:
+        outcomes = await asyncio.gather(*(_get(http, f"{u}/v1/info", {}, timeout_s, 0) for u in targets), return_exceptions=True)
+    finally:
+        if own:
+            await http.aclose()
     infos: dict[str, dict[str, Any]] = {}
     errors: dict[str, str] = {}
-    with httpx.Client(timeout=timeout_s) as http:
-        for url in targets:
-            try:
-                resp = http.get(f"{url}/v1/info")
-                body = resp.json() if resp.status_code == 200 else None
-            except (httpx.HTTPError, ValueError) as e:
-                errors[url] = one_line(e)
-                continue
-            if resp.status_code != 200:
-                errors[url] = f"HTTP {resp.status_code}: {message_of(resp)}"
-            elif not isinstance(body, dict):
-                errors[url] = "/v1/info is not an object"
-            else:
-                infos[url] = body
+    for url, outcome in zip(targets, outcomes):
+        if isinstance(outcome, BaseException):
+            if not isinstance(outcome, Exception):  # cancellation, KeyboardInterrupt: not ours to swallow
+                raise outcome
+            errors[url] = str(outcome) if isinstance(outcome, (Unreachable, Failed)) else one_line(outcome)
+        elif not isinstance(outcome, dict):
+            errors[url] = "/v1/info is not an object"
+        else:
+            infos[url] = outcome
     return infos, errors
+
+
+def fetch_infos(
+    urls: Targets, *, client: httpx.AsyncClient | None = None, transport: httpx.AsyncBaseTransport | None = None, timeout_s: float = 10.0
+) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
+    """Blocking :func:`fetch_infos_async` (same arguments): a Jupyter kernel can call it anywhere (without a client)."""
+    found: tuple[dict[str, dict[str, Any]], dict[str, str]] = _blocking(
+        "fetch_infos", fetch_infos_async, urls, client=client, transport=transport, timeout_s=timeout_s
+    )
+    return found
 
 
 async def _post(client: httpx.AsyncClient, url: str, action: str, token: str | None, timeout_s: float) -> dict[str, Any]:
@@ -216,7 +227,7 @@ async def _post(client: httpx.AsyncClient, url: str, action: str, token: str | N
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     try:
         resp = await asyncio.wait_for(client.post(f"{url}/v1/{action}", headers=headers, timeout=timeout_s), timeout_s)
-    except httpx.ConnectError as e:
+    except (httpx.ConnectError, httpx.LocalProtocolError, UnicodeEncodeError) as e:  # never sent: the action did not run
         raise NotDelivered(one_line(e)) from None
     except (httpx.TransportError, asyncio.TimeoutError) as e:
         raise Unreachable(one_line(e) if not isinstance(e, asyncio.TimeoutError) else f"timed out after {timeout_s} s") from None
@@ -250,6 +261,8 @@ async def act_agents(
     """
     if action not in ("snapshot", "reset", "reload"):
         raise ValueError(f"unknown action {action!r}; choose snapshot, reset or reload")
+    token = check_token(token)  # before any rank is touched
+    timeout_s, _ = check_deadline(timeout_s)
     targets, _ = normalize(urls)
     http, own = _client(client, transport, timeout_s)
     try:

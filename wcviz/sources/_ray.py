@@ -26,6 +26,7 @@ from typing import Any
 
 import pandas as pd
 
+from wcviz._errors import check_deadline
 from wcviz.frame import make_frame
 from wcviz.sources._fleet import (
     KEY,
@@ -152,8 +153,7 @@ def from_ray_actors(
     the two rounds has ``timeout_s`` for all actors together. ``url`` labels are Ray's
     names of the handles (``Actor(Class, id)``).
     """
-    if not 0 < timeout_s < float("inf"):  # NaN and inf too
-        raise ValueError(f"timeout_s must be a finite number of seconds > 0, got {timeout_s}")
+    timeout_s, _ = check_deadline(timeout_s)
     ray = _ray()
     targets = _normalize(actors)
     if not targets:

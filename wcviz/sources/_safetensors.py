@@ -98,13 +98,16 @@ def read_header(path: str | Path) -> list[TensorEntry]:
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read: {e.strerror or e}") from None
     try:
-        header = _json.loads(raw)
+        header = _json.loads(raw.decode("utf-8"))  # strictly: json.loads(bytes) would take UTF-16, a BOM, encoded surrogates
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{path}: header is not valid JSON ({e}): corrupt or not safetensors") from None
+    except ValueError as e:  # JSON that Python will not read: an integer past its digit limit
+        raise CheckpointError(f"{path}: header cannot be read ({_said(e)}): corrupt or not safetensors") from None
     except RecursionError:
         raise CheckpointError(f"{path}: header nests JSON too deeply to be a safetensors header") from None
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: header is a JSON {type(header).__name__}, not an object")
+    _refuse_lone_surrogates(path, header)
     _refuse_repeated_keys(path, header)
     _check_metadata(path, header.get("__metadata__"))
     data_start = 8 + hlen
@@ -113,6 +116,39 @@ def read_header(path: str | Path) -> list[TensorEntry]:
     entries.sort(key=lambda e: (e.start, e.nbytes))  # as safetensors does: by data_offsets
     _check_coverage(path, entries, data_start, data_size)
     return entries
+
+
+def _said(e: BaseException) -> str:
+    """Python's reason for refusing a value, without its advice (``use sys.set_int_max_str_digits()``)."""
+    return str(e).split(";")[0].strip()
+
+
+def _utf8(text: str) -> bool:
+    """Whether ``text`` is UTF-8 text: a JSON ``\\ud800`` escape gives a lone surrogate, which has no UTF-8 form."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _refuse_lone_surrogates(path: Path, header: dict[str, Any]) -> None:
+    """Every name and string in the header is UTF-8 text, as the safetensors library requires (it refuses the
+    file); a tensor name that is not could be neither printed nor digested, so it is refused here, naming it."""
+    for name, spec in header.items():
+        where = "__metadata__" if name == "__metadata__" else f"tensor {name!r}"
+        if not _utf8(name):
+            raise CheckpointError(f"{path}: {where}: the name holds a lone surrogate (a \\ud800-\\udfff escape), not UTF-8 text; safetensors refuses it")
+        stack = [spec]
+        while stack:  # iteratively: a deep entry is no RecursionError
+            v = stack.pop()
+            if isinstance(v, dict):
+                stack.extend(v.keys())
+                stack.extend(v.values())
+            elif isinstance(v, list):
+                stack.extend(v)
+            elif isinstance(v, str) and not _utf8(v):
+                raise CheckpointError(f"{path}: {where}: header entry holds {v[:60]!r}, a lone surrogate, not UTF-8 text; safetensors refuses it")
 
 
 def _refuse_repeated_keys(path: Path, header: dict[str, Any]) -> None:
@@ -245,9 +281,11 @@ def checkpoint_files(path: str | Path) -> list[Path]:
 
 def _weight_map(index: Path) -> dict[str, str]:
     try:
-        data = _json.loads(index.read_text())
+        data = _json.loads(index.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{index}: not a readable index ({e})") from None
+    except ValueError as e:  # JSON that Python will not read: an integer past its digit limit
+        raise CheckpointError(f"{index}: not a readable index ({_said(e)})") from None
     except RecursionError:
         raise CheckpointError(f"{index}: not a readable index (its JSON nests too deeply)") from None
     wm = data.get("weight_map") if isinstance(data, dict) else None
@@ -260,6 +298,10 @@ def _weight_map(index: Path) -> dict[str, str]:
         raise CheckpointError(f"{index}: gives key {repeated!r} more than once in one JSON object; which one counts is ambiguous")
     if not isinstance(wm, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in wm.items()):
         raise CheckpointError(f"{index}: has no weight_map of tensor name -> file name")
+    for k, v in wm.items():
+        if not (_utf8(k) and _utf8(v)):
+            what = f"tensor {k!r}" if not _utf8(k) else f"shard {v!r} (for tensor {k!r})"
+            raise CheckpointError(f"{index}: weight_map lists {what}, which holds a lone surrogate (a \\ud800-\\udfff escape), not UTF-8 text")
     outside = sorted({f for f in wm.values() if Path(f).name != f or f in ("", ".", "..")})
     if outside:
         raise CheckpointError(f"{index}: shard {outside[0]!r} is not a file name in the index's directory")

@@ -154,6 +154,14 @@ def _label(base: str, ident: dict[str, Any]) -> str:
     return f"{base} dp={ident['dp']} pp={ident['pp']} tp={ident['tp']}"
 
 
+class _RankFailed(Failed):
+    """A ranks entry whose identity held up but whose checksums did not."""
+
+    def __init__(self, message: str, info: dict[str, Any]) -> None:
+        super().__init__(message)
+        self.info = info
+
+
 def _rank_rows(
     base: str, entry: Any, phase: str, algo: str, keep: Callable[[str], bool] | None
 ) -> tuple[tuple[str, dict[str, Any], dict[str, Any], Any], dict[str, Any]]:
@@ -168,6 +176,15 @@ def _rank_rows(
     where = {(i["rank"], i["dp_rank"], i["pp_rank"], i["tp_rank"], i["dp_size"], i["size"]) for i in infos}
     if len(where) > 1:
         raise Failed(f"its roles claim different ranks: {str(infos)[:200]}")
+    try:
+        return _checked_rows(base, entry, infos, phase, algo, keep)
+    except Failed as e:  # the rank is known: its failure is named by it, and its sizes still count
+        raise _RankFailed(str(e), infos[0]) from None
+
+
+def _checked_rows(
+    base: str, entry: dict[str, Any], infos: list[dict[str, Any]], phase: str, algo: str, keep: Callable[[str], bool] | None
+) -> tuple[tuple[str, dict[str, Any], dict[str, Any], Any], dict[str, Any]]:
     sums = entry.get("checksums")
     if not isinstance(sums, dict):
         raise Failed(f"no checksums object: {str(entry)[:200]}")
@@ -264,6 +281,7 @@ def from_sglang(
             failed.append({"url": base, "kind": "failed", "error": "per_engine_checksum is not the sha256 of the ranks' per_gpu_checksum: the answer was altered"})
     collected: list[Any] = []
     infos: list[dict[str, Any]] = []
+    known: set[tuple[Any, ...]] = set()
     seen: set[str] = set()
     for i, entry in enumerate(ranks):
         same = json.dumps(entry, sort_keys=True, default=str)
@@ -274,9 +292,14 @@ def from_sglang(
             got, info = _rank_rows(base, entry, phase, algo, keep)
             collected.append(got)
             infos.append(info)
+        except _RankFailed as e:  # named by its own coordinates, so it is neither a rank without identity nor "not reported"
+            ident = _identity(e.info)
+            failed.append({"url": _label(base, ident), "kind": "failed", "error": str(e), **ident})
+            infos.append(e.info)
+            known.add((ident["dp"], ident["pp"], ident["tp"]))
         except Failed as e:
             failed.append({"url": f"{base} ranks[{i}]", "kind": "failed", "error": str(e)})
-    answered = {(ident["dp"], ident["pp"], ident["tp"]) for _, ident, _, _ in collected}
+    answered = known | {(ident["dp"], ident["pp"], ident["tp"]) for _, ident, _, _ in collected}
     failed += _not_reported(base, infos, answered)
     return assemble(collected, failed, filtered=name is not None)
 

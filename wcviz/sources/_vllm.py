@@ -37,7 +37,7 @@ from typing import Any
 
 import httpx
 
-from wcviz._errors import WcvizError
+from wcviz._errors import WcvizError, check_deadline
 from wcviz._text import one_line
 from wcviz.digest import DEFAULT_ALGO
 from wcviz.frame import IDENTITY
@@ -45,6 +45,7 @@ from wcviz.sources._fleet import (
     Failed,
     FetchResult,
     assemble,
+    backoff_s,
     count_mismatch,
     identity_of,
     key_of,
@@ -57,7 +58,6 @@ __all__ = ["EngineEndpointError", "from_vllm_http", "from_vllm_llm", "vllm_colle
 EXTENSION = "wcviz.integrations.vllm.WcvizWorkerExtension"
 _VERSION = "0.33"  # the vLLM release the shapes here were read from
 _GRACE_S = 5.0  # the HTTP wait beyond the RPC's own timeout, so vLLM's timeout error comes through
-_BACKOFF_S = 0.1
 
 
 class EngineEndpointError(WcvizError, RuntimeError):
@@ -122,15 +122,17 @@ def vllm_collective_rpc(
     (served only with ``VLLM_SERVER_DEV_MODE=1``). ``args`` and ``kwargs`` values must be
     strings, as vLLM's endpoint passes nothing else: anything else is refused here with a
     ``TypeError``. ``retries`` re-sends after a connection error only (default 0: a
-    mutation is never repeated behind the caller's back). Raises
+    mutation is never repeated behind the caller's back). Each try, answer read whole, ends
+    within ``timeout_s`` plus a few seconds' grace, however slowly the server answers. Raises
     :class:`EngineEndpointError` (``kind`` missing, unreachable or failed) for the whole call.
     """
     kwargs = {} if kwargs is None else kwargs
     _check_strings(method, args, kwargs)
-    if not 0 < timeout_s < float("inf") or retries < 0:  # NaN and inf too
-        raise ValueError(f"timeout_s must be a finite number of seconds > 0 and retries >= 0, got {timeout_s} and {retries}")
+    timeout_s, retries = check_deadline(timeout_s, retries)
     if client is not None and transport is not None:
         raise ValueError("give client or transport, not both")
+    from wcviz.sources._engine_http import json_of, send  # (that module builds on this one)
+
     url = f"{str(base_url).rstrip('/')}/collective_rpc"
     body = {"method": method, "args": list(args), "kwargs": dict(kwargs), "timeout": timeout_s}
     own = client is None
@@ -138,12 +140,12 @@ def vllm_collective_rpc(
     try:
         for attempt in range(retries + 1):
             if attempt:
-                time.sleep(_BACKOFF_S * 2 ** (attempt - 1))
-            try:
-                resp = http.post(url, json=body, timeout=timeout_s + _GRACE_S)
+                time.sleep(backoff_s(attempt))
+            try:  # the whole exchange within the RPC's timeout and the grace: a dripping answer cannot hold the caller
+                resp = send(http, "POST", url, what=f"collective_rpc {method!r}", body=body, timeout_s=timeout_s + _GRACE_S)
                 break
             except httpx.TimeoutException as e:
-                raise EngineEndpointError(f"POST {url} ({method}) got no answer within {timeout_s + _GRACE_S} s", "unreachable") from e
+                raise EngineEndpointError(f"POST {url} ({method}) gave no whole answer within {timeout_s + _GRACE_S} s", "unreachable") from e
             except httpx.TransportError as e:
                 if attempt == retries:
                     raise EngineEndpointError(f"POST {url} ({method}): {one_line(e)}", "unreachable") from e
@@ -158,10 +160,7 @@ def vllm_collective_rpc(
         )
     if resp.status_code != 200:
         raise EngineEndpointError(f"collective_rpc {method!r} failed for the whole engine: HTTP {resp.status_code}: {message_of(resp)}")
-    try:
-        answer = resp.json()
-    except ValueError:
-        raise EngineEndpointError(f"collective_rpc {method!r} did not answer JSON: {resp.text[:200]!r}") from None
+    answer = json_of(resp, f"POST {url} (collective_rpc {method!r})")
     results = answer.get("results") if isinstance(answer, dict) else None
     if not isinstance(results, list):
         raise EngineEndpointError(f"collective_rpc {method!r} did not answer {{'results': [...]}}: {str(answer)[:200]}")

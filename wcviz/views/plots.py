@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pandas as pd
 
-from wcviz.views._grid import SEVERITY, grid_of, nonmatch_counts, worst_severity
+from wcviz.views._grid import SEVERITY, grid_of, keep_mask, nonmatch_counts, whole_rank_notes, worst_severity
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -70,13 +70,6 @@ def _ink(color: str) -> str:
 _PROBLEM_EDGE = "#B2182B"
 _MIN_CELL_PX = 4.0  # a cell narrower or lower than this may vanish in the image: its findings get a marker
 _MARKER_PT = 4.0
-
-
-def _kept_mask(keep: Sequence[bool] | pd.Series, n: int) -> np.ndarray:
-    mask = np.asarray(keep, dtype=bool)
-    if mask.shape != (n,):
-        raise ValueError(f"keep needs one flag per verdict row ({n:,}), got {mask.shape[0] if mask.ndim else 0:,}")
-    return mask
 
 
 def _cells(ax: Axes, where: np.ndarray, hatch: str, edge: str, gid: str) -> None:
@@ -143,7 +136,9 @@ def plot_layer_rank(
     labelled by coordinates (as :func:`wcviz.views.layer_rank_grid`); colours
     are :data:`COLORS` (white where the rank holds nothing of that part). The
     legend lists the statuses drawn. Grids under 400 cells show the count of
-    non-``match`` rows in each cell. Tick labels are thinned to what fits, so
+    non-``match`` rows about parameters in each cell: a rank that did not answer, or
+    answered with nothing (a whole-rank ``unreachable``/``empty`` row), is drawn in its
+    colour in every part and labelled ``(no answer)``/``(empty)`` under it, never counted. Tick labels are thinned to what fits, so
     64 ranks × 80 layers stays readable. Draws on ``ax`` when given, else on a
     new :class:`~matplotlib.figure.Figure` sized to the grid (not registered
     with pyplot). ``keep``: one flag per verdict row, what a filter keeps; cells
@@ -160,18 +155,21 @@ def plot_layer_rank(
     from matplotlib.patches import Patch
 
     lay = grid_of(verdicts)
+    kept = None if keep is None else keep_mask(keep, lay.n_rows)  # checked before anything reads it
     held = worst_severity(lay)
-    worst = worst_severity(lay, keep) if keep is not None else held
+    worst = worst_severity(lay, kept) if kept is not None else held
     n_rows, n_cols = worst.shape
+    notes = whole_rank_notes(lay)  # a rank that did not answer (or held nothing): said under it, not counted in its cells
+    xlabels = [r + (f" ({notes[r]})" if r in notes else "") for r in lay.ranks]
     if ax is None:
         width = min(16.0, max(5.0, 3.5 + 0.22 * n_cols))
-        height = min(14.0, max(2.5, 1.4 + 0.2 * n_rows))
+        longer = max([len(x) - 12 for x in xlabels] + [0]) * _FONT * 0.6 / 72  # a URL under a column needs the room
+        height = min(14.0, max(2.5, 1.4 + 0.2 * n_rows) + longer)
         fig = Figure(figsize=(width, height), layout="constrained")
         ax = fig.add_subplot()
     else:
         fig = ax.get_figure()  # type: ignore[assignment]  # a SubFigure draws and saves alike
-    if keep is not None:
-        kept = _kept_mask(keep, len(verdicts))
+    if kept is not None:
         cut = ~kept
         partly = worst_severity(lay, cut) if cut.any() else None  # worst status of what the filter left out, per cell
     else:
@@ -196,7 +194,7 @@ def plot_layer_rank(
     rows = _ticks(lay.parts, box.height * size[1], layered=True)
     cols = _ticks(lay.ranks, box.width * size[0], layered=False)
     ax.set_yticks(rows, [lay.parts[i] for i in rows], fontsize=_FONT)
-    ax.set_xticks(cols, [lay.ranks[i] for i in cols], fontsize=_FONT, rotation=90)
+    ax.set_xticks(cols, [xlabels[i] for i in cols], fontsize=_FONT, rotation=90)
     ax.set_xlabel("rank")
     ax.set_ylabel("model part")
     ax.tick_params(length=2)
@@ -206,7 +204,7 @@ def plot_layer_rank(
         ax.set_yticks([i - 0.5 for i in range(1, n_rows)], minor=True)
         ax.grid(which="minor", color="white", linewidth=0.8)
         ax.tick_params(which="minor", length=0)
-        counts = nonmatch_counts(lay, keep).to_numpy()
+        counts = nonmatch_counts(lay, kept).to_numpy()
         for i in range(n_rows):
             for j in range(n_cols):
                 n = counts[i, j]

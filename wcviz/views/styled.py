@@ -24,7 +24,7 @@ __all__ = ["STYLE_COLUMNS", "style_verdicts"]
 
 # shown by default, in this order, when the frame has them
 STYLE_COLUMNS = (
-    *IDENTITY, "name", "status", "digest_expected", "digest_actual", "digest_snapshot", "digest_reset", "digest_reload",
+    *IDENTITY, "url", "name", "status", "digest_expected", "digest_actual", "digest_snapshot", "digest_reset", "digest_reload",
     "same_as", "host",
 )
 _HEX = 8  # digest characters shown
@@ -43,15 +43,12 @@ def style_verdicts(verdicts: pd.DataFrame, *, uuid: str = "wcviz-verdicts", colu
     """A :class:`~pandas.io.formats.style.Styler` of a verdict frame: status cells coloured as the plots colour them.
 
     ``columns`` picks and orders the columns shown; by default the identity
-    columns the frame uses, ``name``, ``status``, the digest columns of either
+    columns the frame uses, ``url`` (a rank known only by where it was asked), ``name``, ``status``, the digest columns of either
     verdict kind, ``same_as`` and ``host``, where they hold a value. Digests show their first
     8 hex characters; missing values show as empty. The uuid is fixed, so
     ``to_html()`` gives the same HTML for the same frame in every run.
     """
-    check_statuses(verdicts)  # a verdict frame, and no row without a status
-    unknown = sorted(set(verdicts["status"].dropna().astype(str)) - set(COLORS))
-    if unknown:
-        raise TableError(f"column 'status' has {', '.join(unknown)}; expected one of {', '.join(COLORS)}")
+    check_statuses(verdicts)  # a verdict frame, every row one of the statuses a check gives
     if columns is None:
         shown = [c for c in STYLE_COLUMNS if c in verdicts and not (c != "status" and verdicts[c].isna().all())]  # nothing to show
     else:

@@ -14,8 +14,10 @@ Each cell is one engine rank: its rank, the mark (:data:`~wcviz.views.MARKS`) or
 colour (:data:`~wcviz.views.COLORS`) of its worst status and how many of its rows
 are not ``match`` (``no answer`` / ``empty`` for a rank that did not answer or held
 no parameters: its one row is no parameter). Rows are (DP replica, PP stage), columns TP ranks, grouped under
-the host that runs them. A missing coordinate counts as 0 (one replica, one stage);
-without any TP coordinate a row's ranks stand side by side in rank order. Rows of
+the host that runs them; without any TP coordinate a row's ranks stand side by side in rank order.
+A rank without a coordinate the layout uses (an agent known only by its URL, say) is never
+guessed into place: it is drawn last, under ``unplaced (no rank coordinates)``, one row each,
+named by its URL (or its label). Rows of
 role ``trainer`` (column ``role``, else ``role_actual``) are not drawn: they mark the
 hosts the trainer shares with the engine, and a note under the drawing says what they
 hold (``not shown: trainer rows: 1 mismatch on 1 rank (rank 1 (pp=0 tp=1)), 3 match``),
@@ -26,9 +28,8 @@ it is). Both verdict kinds are read; only ``status``, the identity columns,
 
 from __future__ import annotations
 
-import textwrap
-
 import math
+import textwrap
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -36,8 +37,8 @@ import pandas as pd
 
 from wcviz._errors import TableError
 from wcviz._text import plural
-from wcviz.verdicts import WHOLE_RANK, status_parts
-from wcviz.views._grid import SEVERITY, _severity, grid_of
+from wcviz.verdicts import status_parts
+from wcviz.views._grid import SEVERITY, WHOLE_RANK_NOTE, _severity, grid_of
 from wcviz.views.plots import COLORS, _ink
 from wcviz.views.text import MARKS
 
@@ -50,23 +51,27 @@ __all__ = ["plot_topology", "topology_text"]
 TRAINER = "trainer"
 COLOCATED = "trainer on this host"
 _NO_HOST = "\x00no host"  # groups ranks that never said where they run; never shown
+UNPLACED = "unplaced (no rank coordinates)"  # the group of ranks that cannot be put at a (dp, pp, tp)
 _MATCH = SEVERITY.index("match")
-WHOLE_RANK_NOTE = {"unreachable": "no answer", "empty": "empty"}  # a cell's note in place of a count
-assert set(WHOLE_RANK_NOTE) == set(WHOLE_RANK)
 
 
 @dataclass(frozen=True)
 class HostGroup:
     """The engine ranks one host runs: ``host`` (None when not reported), whether the
-    trainer runs there too, and its rows as (DP replica, PP stage) with their labels."""
+    trainer runs there too, and its rows as (DP replica, PP stage) with their labels.
+    ``unplaced``: the group of ranks without the coordinates to place them (a row each,
+    labelled by the rank: its URL when it has no coordinate at all)."""
 
     host: str | None
     colocated: bool
     rows: list[str]
     dps: list[int]
+    unplaced: bool = False
 
     @property
     def title(self) -> str:
+        if self.unplaced:
+            return UNPLACED
         return "host unknown" if self.host is None else f"host {self.host}"
 
 
@@ -80,7 +85,7 @@ class Topology:
     index into ``SEVERITY``), ``count`` (non-match rows about parameters) and ``note``
     (``no answer``/``empty`` where a whole-rank row speaks for the rank, else "").
     ``groups``: one per host, in the order of their lowest rank (unreported hosts
-    last). ``not_shown``: what the rows left out of the drawing (trainer ranks) hold,
+    last, then the unplaced ranks). ``not_shown``: what the rows left out of the drawing (trainer ranks) hold,
     or None; ``not_shown_bad``: whether any of them is not ``match``.
     """
 
@@ -93,6 +98,7 @@ class Topology:
     trainer_hosts: list[str]
     not_shown: str | None = None
     not_shown_bad: bool = False
+    unplaced: int = 0
 
     @property
     def colocated(self) -> list[str]:
@@ -144,14 +150,13 @@ def topology(verdicts: pd.DataFrame) -> Topology:
         empty = pd.DataFrame(columns=["group", "row", "col", "label", "severity", "count", "note"])
         return Topology(empty, [], [], 0, False, {}, trainer_hosts, not_shown, not_shown_bad)
 
-    names = engine["name"] if "name" in engine else pd.Series(pd.NA, index=engine.index, dtype="object")
-    status = engine["status"].astype("object")
-    whole = (names.isna() & status.isin(list(WHOLE_RANK))).to_numpy()[rows["row"].to_numpy()]  # no parameter: a rank's one row
+    status = engine["status"].astype("object").to_numpy()[rows["row"].to_numpy()]
+    whole = rows["whole"].to_numpy(dtype=bool)  # no parameter: a rank's one row
     per_rank = pd.DataFrame({
         "rank_label": rows["rank"].to_numpy(),
         "severity": rows["severity"].to_numpy(),
         "bad": ((rows["severity"] != _MATCH).to_numpy() & ~whole).astype("int64"),
-        "whole": [WHOLE_RANK_NOTE[str(st)] if w else "" for st, w in zip(status.to_numpy()[rows["row"].to_numpy()], whole)],
+        "whole": [WHOLE_RANK_NOTE[str(st)] if w else "" for st, w in zip(status, whole)],
         "host": engine_hosts.loc[rows["row"]].to_numpy(),
     })
     ranks = per_rank.groupby("rank_label", sort=False).agg(
@@ -161,23 +166,31 @@ def topology(verdicts: pd.DataFrame) -> Topology:
     coords = lay.coords.loc[lay.ranks]
     ranks = ranks.reindex(lay.ranks)
     ranks["order"] = range(len(ranks))
-    ranks["name"] = [_rank_name(r) for r in coords["rank"]] if lay.used else ["all"] * len(ranks)
+    ranks["name"] = [_rank_name(r) for r in coords["rank"]] if lay.located else ["all"] * len(ranks)
+    used = set(lay.used)
+    layout = [c for c in ("dp", "pp", "tp") if c in used]
+    # a rank without a coordinate the layout uses (or without any) is not put at 0, on top of another rank
+    unplaced = (coords[layout].isna().any(axis=1) | coords[list(used)].isna().all(axis=1)) if lay.located else coords["url"].notna()
+    unplaced = unplaced.to_numpy(dtype=bool)
     for c in ("dp", "pp"):
         ranks[c] = coords[c].fillna(0).astype("int64").to_numpy()
     ranks["host"] = ranks["host"].astype("object").where(ranks["host"].notna(), _NO_HOST)
 
-    if coords["tp"].notna().any():
+    if "tp" in used:
         ranks["col"] = coords["tp"].fillna(0).astype("int64").to_numpy()
         col_name = "tp{}"
     else:  # no tensor-parallel coordinate: the ranks of a row side by side, in rank order
-        ranks["col"] = ranks.groupby(["host", "dp", "pp"], sort=False).cumcount()
+        ranks["col"] = 0
+        ranks.loc[~unplaced, "col"] = ranks[~unplaced].groupby(["host", "dp", "pp"], sort=False).cumcount()
         col_name = "#{}"
+    placed, loose = ranks[~unplaced], ranks[unplaced]
+    cols = sorted(placed["col"].unique())
+    col_index = {c: i for i, c in enumerate(cols)}
 
-    first = ranks.groupby("host", sort=False)["order"].min()
+    first = placed.groupby("host", sort=False)["order"].min()
     host_order = first.sort_values(kind="stable").index.tolist()
     if _NO_HOST in host_order:  # ranks that never said where they run come last
         host_order = [h for h in host_order if h != _NO_HOST] + [_NO_HOST]
-    used = set(lay.used)
     dp_shown, pp_shown = "dp" in used, "pp" in used
 
     def row_label(dp: int, pp: int) -> str:
@@ -187,20 +200,22 @@ def topology(verdicts: pd.DataFrame) -> Topology:
     groups: list[HostGroup] = []
     pieces = []
     for g, host in enumerate(host_order):
-        mine = ranks[ranks["host"] == host]
+        mine = placed[placed["host"] == host]
         keys = mine[["dp", "pp"]].drop_duplicates().sort_values(["dp", "pp"]).itertuples(index=False)
         row_index = {(k.dp, k.pp): i for i, k in enumerate(keys)}
         name = None if host == _NO_HOST else str(host)
         groups.append(HostGroup(name, name in colocated, [row_label(dp, pp) for dp, pp in row_index], [dp for dp, _ in row_index]))
         cell = mine.assign(group=g, row=[row_index[(d, p)] for d, p in zip(mine["dp"], mine["pp"])])
         pieces.append(cell)
-    placed = pd.concat(pieces)
-    agg = placed.sort_values("order").groupby(["group", "row", "col"], sort=True).agg(
+    if len(loose):  # a row each, named by the rank's label (its URL without coordinates), in the first column
+        groups.append(HostGroup(None, False, [str(r) for r in loose.index], [-1] * len(loose), unplaced=True))
+        pieces.append(loose.assign(group=len(groups) - 1, row=range(len(loose)), col=cols[0] if cols else 0, name=""))
+        col_index.setdefault(cols[0] if cols else 0, 0)
+    cells = pd.concat(pieces)
+    agg = cells.sort_values("order").groupby(["group", "row", "col"], sort=True).agg(
         severity=("severity", "min"), count=("count", "sum"), first=("name", "first"), n=("order", "size"),
         note=("note", lambda w: ", ".join(dict.fromkeys(x for x in w if x))),
     ).reset_index()
-    cols = sorted(agg["col"].unique())
-    col_index = {c: i for i, c in enumerate(cols)}
     agg["label"] = [name + (f"+{n - 1}" if n > 1 else "") for name, n in zip(agg["first"], agg["n"])]
     agg["col"] = agg["col"].map(col_index)
     sizes: dict[str, int] = {c: int(coords[c].nunique()) for c in ("dp", "pp", "tp") if c in used}
@@ -209,11 +224,12 @@ def topology(verdicts: pd.DataFrame) -> Topology:
         groups=groups,
         columns=[col_name.format(c) for c in cols],
         n_ranks=len(ranks),
-        located=bool(lay.used),
+        located=lay.located,
         sizes=sizes,
         trainer_hosts=trainer_hosts,
         not_shown=not_shown,
         not_shown_bad=not_shown_bad,
+        unplaced=len(loose),
     )
 
 
@@ -223,6 +239,8 @@ def _headline(top: Topology) -> str:
     if top.known_hosts and top.known_hosts < len(top.groups):
         hosts += " (some not reported)"
     ranks = plural(top.n_ranks, "rank") if top.located else "no rank coordinates"
+    if top.unplaced:
+        ranks += f" ({top.unplaced:,} unplaced)"
     return f"topology: {ranks}" + (f", {shape}" if shape else "") + f", {hosts}"
 
 
@@ -244,7 +262,7 @@ def topology_text(verdicts: pd.DataFrame) -> str:
     if not top.groups:
         return "no verdicts" + (f"\n{top.not_shown}" if top.not_shown else "")
     cells = top.cells.assign(text=[
-        f"{label} {MARKS[SEVERITY[s]]}{count if count else ''}" + (f" {note}" if note else "")
+        " ".join(t for t in (label, f"{MARKS[SEVERITY[s]]}{count if count else ''}", note) if t)
         for label, s, count, note in zip(top.cells["label"], top.cells["severity"], top.cells["count"], top.cells["note"])
     ])
     width = max(len(t) for t in [*cells["text"], *top.columns])
@@ -255,7 +273,9 @@ def topology_text(verdicts: pd.DataFrame) -> str:
         out.append(group.title + (f" ({COLOCATED})" if group.colocated else ""))
         mine = cells[cells["group"] == g]
         present = sorted(mine["col"].unique())
-        if present != header:  # the column header again only where the columns change
+        if group.unplaced:  # no columns to head: a line per rank, named by its URL
+            header = None
+        elif present != header:  # the column header again only where the columns change
             out.append((" " * (2 + label_w) + " " + " ".join(top.columns[c].ljust(width) for c in present)).rstrip())
             header = present
         for i, name in enumerate(group.rows):
@@ -320,7 +340,8 @@ def plot_topology(verdicts: pd.DataFrame, *, ax: Axes | None = None, title: str 
     the host's name on the left of its rows, its cells outlined (black and dashed,
     with "+ trainer" under the name, where the trainer runs too); a wider gap where
     the DP replica changes. Each cell names its rank and, below, how many of its rows
-    are not ``match``. Colours are :data:`~wcviz.views.COLORS`; the legend lists the
+    are not ``match``. Ranks without the coordinates to place them come last, under
+    ``unplaced``: a row each, labelled by the rank (its URL), the cell across all columns. Colours are :data:`~wcviz.views.COLORS`; the legend lists the
     statuses drawn. Many hosts wrap into side-by-side panels, so 8 DP × 4 PP × 8 TP
     stays readable. Draws on ``ax`` when given, else on a new
     :class:`~matplotlib.figure.Figure` (not registered with pyplot). Cells are
@@ -334,11 +355,11 @@ def plot_topology(verdicts: pd.DataFrame, *, ax: Axes | None = None, title: str 
     n_cols = max(1, len(top.columns))
     cell_in = max(0.4, min(0.7, 7.0 / n_cols))
     font = 8.5 if cell_in >= 0.6 else 7.0
-    one_host = len(top.groups) == 1 and not top.colocated  # no host column to spend room on: the title names it
+    one_host = len(top.groups) == 1 and not top.colocated and not top.groups[0].unplaced  # the title names the host
     tops, gaps = _rows_y(top)
     heights = [ys[-1] + 1.0 for ys in tops]
     panels = _panels(heights, gaps) if top.groups else []
-    names = [("unknown" if g.host is None else g.host) for g in top.groups]
+    names = [("unplaced" if g.unplaced else "unknown" if g.host is None else g.host) for g in top.groups]
     char = font * 0.62 / 72 / cell_in  # one character, in cell widths
     host_w = 0.1 if one_host else max([len(n) for n in names] + [9 if top.colocated else 4]) * char + 0.4
     row_w = max(len(r) for g in top.groups for r in g.rows) * char + 0.4 if top.groups else 1.0
@@ -384,13 +405,14 @@ def plot_topology(verdicts: pd.DataFrame, *, ax: Axes | None = None, title: str 
             for row, row_y in zip(group.rows, ys):
                 ax.text(x0 - 0.15, row_y + 0.5, row, ha="right", va="center", fontsize=font, gid="row")
             mine = top.cells[top.cells["group"] == g]
+            span = n_cols if group.unplaced else 1  # an unplaced rank has no column: its cell spans them all
             for r in mine.itertuples(index=False):
                 color = COLORS[SEVERITY[r.severity]]
                 cy = ys[r.row]
-                ax.add_patch(Rectangle((x0 + r.col + 0.04, cy + 0.05), 0.92, 0.9, facecolor=color,
+                ax.add_patch(Rectangle((x0 + r.col + 0.04, cy + 0.05), span - 0.08, 0.9, facecolor=color,
                                        edgecolor="white", linewidth=0.5, gid="cell"))
                 under = ", ".join([str(r.count)] * bool(r.count) + [r.note] * bool(r.note))  # a count, or why there is none
-                ax.text(x0 + r.col + 0.5, cy + 0.5, r.label + (f"\n{under}" if under else ""), ha="center",
+                ax.text(x0 + r.col + span / 2, cy + 0.5, "\n".join(t for t in (r.label, under) if t), ha="center",
                         va="center", fontsize=font, color=_ink(color), linespacing=0.9, gid="cell")
             ax.add_patch(Rectangle(
                 (x0 - 0.03, ys[0] - 0.02), n_cols + 0.06, ys[-1] + 1.04 - ys[0], fill=False,

@@ -20,9 +20,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from wcviz.widgets.state import DashboardState
+from wcviz.widgets.state import DashboardState, MutationRefused, StepRefused
 
-__all__ = ["CLASSES", "VIEWS", "Dashboard", "DashboardState"]
+__all__ = ["CLASSES", "VIEWS", "Dashboard", "DashboardState", "MutationRefused", "StepRefused"]
 
 
 def __getattr__(name: str) -> Any:

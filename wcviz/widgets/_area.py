@@ -115,8 +115,12 @@ class ViewArea:
             self.exceptions.append(("view", e))
         else:
             self.exceptions[:] = [(a, e) for a, e in self.exceptions if a != "view"]
-        if self.state.stopped is not None:  # what is drawn is from before: say so above it
+        banner = None  # what is drawn is from before the source fell silent: say so above it (nothing drawn: nothing to say)
+        if self.state.verdicts is not None and self.state.stopped is not None:
             banner = f"stale: {self.state.stopped}. These are the last results."
+        elif self.state.verdicts is not None and self.state.silent is not None:
+            banner = "stale: no rank answered the last fetch. These are the results from before it."
+        if banner is not None:
             self.view_area.children = (_classed(widgets.HTML(f"<b>{html.escape(banner)}</b>"), "stale"), *self.view_area.children)
 
     def _draw(self) -> None:
@@ -151,7 +155,7 @@ class ViewArea:
             finally:
                 self._drill_sync = False
             self.drill.layout.display = None
-            fig = plot_drilldown(self.state.drill_frames(), name)
+            fig = plot_drilldown(self.state.drill_frames(), name, verdicts=self.state.verdicts)
         elif view == "layer × rank":
             fig = plot_layer_rank(v, keep=self.state.keep(v) if self.state.filtering else None)
         else:

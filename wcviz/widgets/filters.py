@@ -125,16 +125,21 @@ class VerdictFilters:
         return self.drill_choice if self.drill_choice in names else names[0]
 
     def drill_frames(self) -> Mapping[str, pd.DataFrame]:
-        """Digest frames per phase for the drill-down: the frames, else the verdicts' ``digest_<phase>`` columns."""
-        if self.frames:
-            return self.frames
+        """Digest frames per phase for the drill-down: the frames, else the verdicts' ``digest_<phase>`` columns.
+
+        The drill-down judges them with :attr:`verdicts` (an ``unproven`` verdict, an actual
+        digest against the expected one of the same rank).
+        """
         v = self.verdicts
+        paired = v is not None and {"digest_expected", "digest_actual"} <= set(v.columns)
+        if self.frames and not (paired and set(self.frames) == {"expected", "actual"}):
+            return self.frames  # expected against actual: the verdicts hold the expected digest of every rank
         assert v is not None
         phases = [c.removeprefix("digest_") for c in v.columns if c.startswith("digest_")]
         if not phases:
             raise ValueError("the drill-down needs digests: this verdict frame has no digest_<phase> columns")
-        ids = [c for c in IDENTITY if c in v]
-        return {p: v[ids + ["name", f"digest_{p}"]].rename(columns={f"digest_{p}": "digest"}).dropna(subset=["digest"]) for p in phases}
+        cols = [c for c in IDENTITY if c in v] + ["name"] + [c for c in ("algo",) if c in v]
+        return {p: v[cols + [f"digest_{p}"]].rename(columns={f"digest_{p}": "digest"}).dropna(subset=["digest"]) for p in phases}
 
     def view_text(self, view: str) -> str:
         """The text form of ``view`` (what the picture shows, for logs and notebook checks)."""
@@ -143,13 +148,16 @@ class VerdictFilters:
         v = self.role_rows()
         if v is None:
             return self.empty_hint()
-        if view == "layer × rank":
-            return layer_rank_text(v)
+        if view == "layer × rank":  # as the picture: what the status and parameter filters leave, the rest accounted for
+            return layer_rank_text(v, keep=self.keep(v) if self.filtering else None)
         if view == "topology":
-            return str(topology_text(v))
+            note = "the status and parameter filters do not apply here: the topology shows each rank's worst status\n"
+            return (note if self.filtering else "") + str(topology_text(v))
         if view == "drill-down":
             name = self.drilldown_name
-            return str(drilldown_text(self.drill_frames(), name)) if name is not None else "no parameter matches the filters"
+            if name is None:
+                return "no parameter matches the filters"
+            return str(drilldown_text(self.drill_frames(), name, verdicts=self.verdicts))
         t = self.table
         assert t is not None
         cols = [c for c in ("rank", "pp", "tp", "name", "status") if c in t]

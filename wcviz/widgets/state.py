@@ -5,9 +5,14 @@ agent URLs, a started :class:`wcviz.sim.Cluster`, any fleet) or frames in memory
 everything the check produced: the last fetch, the phases' frames, the verdicts, the
 report, the filters a person chose and the lines the dashboard shows (status, errors).
 Its actions (:meth:`fetch`, :meth:`snapshot`, :meth:`reset`, :meth:`reload`,
-:meth:`compare`) do the work through the end-state session and raise on failure; the
-view records what fails. ``on_step`` is called after each action and each fetch of a
-phase (the progress bar).
+:meth:`compare`) do the work through the end-state session and raise on failure; a
+step that may not run now raises :class:`StepRefused` before anything is sent. The view
+records what fails. ``on_step`` is called after each action and each fetch of a phase
+(the progress bar).
+
+A source that stops for good (a :class:`wcviz.sim.Cluster` says so) turns every step
+off; a fetch that no rank answers only says so (:attr:`DashboardState.silent`): an agent
+restart or a network blip must not take Reload, the way back from the reset, away.
 """
 
 from __future__ import annotations
@@ -17,18 +22,31 @@ from typing import Any
 
 import pandas as pd
 
-from wcviz._text import plural, rank_label
-from wcviz.endstate import PHASES, EndStateReport, EndStateSession, Fleet, SnapshotUnusable, classify, reset_coverage
+from wcviz._text import plural
+from wcviz.endstate import PHASES, EndStateReport, EndStateSession, Fleet, ResetNotCovered, SnapshotUnusable, classify
+from wcviz.endstate.classify import check_reset_pattern
 from wcviz.frame import IDENTITY
 from wcviz.sources import FetchResult
-from wcviz.verdicts import check_statuses, compare, n_parameters, status_parts
+from wcviz.verdicts import check_statuses, compare
+from wcviz.widgets._words import DOING, DashboardWords, said
 from wcviz.widgets.filters import ALL, NOT_MATCH, VerdictFilters
 
-__all__ = ["ALL", "FLOW", "NOT_MATCH", "DashboardState"]
+__all__ = ["ALL", "FLOW", "NOT_MATCH", "DashboardState", "MutationRefused", "StepRefused"]
 
 FLOW = ("snapshot", "reset", "reload", "compare")  # the end-state check's steps, in order (numbered 1..4)
-_DOING = {"snapshot": "snapshotting", "reset": "resetting", "reload": "reloading"}
 _FRAME_KINDS = {frozenset({"snapshot", "reset", "reload"}): "endstate", frozenset({"expected", "actual"}): "compare"}
+_VOID = "void: the reset did not overwrite every parameter, so this check cannot give verdicts"
+_ACCEPTED = (
+    "give {'snapshot': frame, 'reset': frame, 'reload': frame}, {'expected': frame, 'actual': frame} or one verdict frame"
+)
+
+
+class StepRefused(RuntimeError):
+    """A step that may not run now (its button is off; the message says why): nothing was sent, nothing changed."""
+
+
+class MutationRefused(StepRefused, PermissionError):
+    """Snapshot, reset or reload refused because the source does not allow mutations."""
 
 
 def _frames_kind(source: Any) -> str | None:
@@ -40,17 +58,28 @@ def _frames_kind(source: Any) -> str | None:
                 "give {'expected': frame, 'actual': frame} to compare two digest frames"
             )
         return "verdicts"
-    if isinstance(source, Mapping) and source and all(isinstance(v, pd.DataFrame) for v in source.values()):
+    values = list(source.values()) if isinstance(source, Mapping) else list(source) if isinstance(source, (list, tuple)) else []
+    if any(isinstance(v, pd.DataFrame) for v in values):
+        if not isinstance(source, Mapping):
+            raise TypeError(f"a {type(source).__name__} of frames is not accepted: {_ACCEPTED}")
         kind = _FRAME_KINDS.get(frozenset(source))
-        if kind is None:
-            raise ValueError(
-                f"frames in memory need the keys snapshot, reset, reload or expected, actual; got {', '.join(map(str, source))}"
-            )
+        if kind is None or not all(isinstance(v, pd.DataFrame) for v in values):
+            got = ", ".join(f"{k}: {type(v).__name__}" for k, v in source.items())
+            raise ValueError(f"frames in memory need the keys snapshot, reset, reload or expected, actual, each a frame; got {got}")
         return kind
     return None
 
 
-def _fleet_of(source: Any, token: str | None, net: dict[str, Any]) -> Fleet:
+def _network(timeout_s: Any, retries: Any) -> dict[str, Any]:
+    """The fetch options, each refused by its name when it is not a number."""
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) and not hasattr(timeout_s, "__float__"):
+        raise ValueError(f"timeout_s must be a number of seconds > 0, got {timeout_s!r}")
+    if isinstance(retries, bool) or not hasattr(retries, "__index__"):
+        raise ValueError(f"retries must be an integer >= 0, got {retries!r}")
+    return {"timeout_s": float(timeout_s), "retries": int(retries)}
+
+
+def _fleet_of(source: Any, token: str | None, net: Callable[[], dict[str, Any]]) -> Fleet:
     """The fleet a live source stands for: a fleet itself, something that makes one (a cluster), or agent URLs."""
     from wcviz.endstate import AgentFleet
 
@@ -58,26 +87,23 @@ def _fleet_of(source: Any, token: str | None, net: dict[str, Any]) -> Fleet:
         return source
     make = getattr(source, "fleet", None)
     if callable(make) and not isinstance(source, (str, Mapping, Sequence)):
-        return make(**net)
+        return make(**net())
     if isinstance(source, (str, Sequence, Mapping)) and not isinstance(source, bytes):
-        return AgentFleet([source] if isinstance(source, str) else source, token=token, **net)
+        return AgentFleet([source] if isinstance(source, str) else source, token=token, **net())
     raise TypeError(
         "Dashboard needs a started wcviz.sim.Cluster, agent URLs (a list, or a mapping URL -> identity), an "
         f"end-state fleet or frames in memory; got {type(source).__name__}"
     )
 
 
-def _ranks(df: pd.DataFrame) -> pd.DataFrame:
-    """The distinct rank identities of a frame (NA coordinates are one value)."""
-    cols = [c for c in IDENTITY if c in df]
-    return df[cols].drop_duplicates() if cols else pd.DataFrame(index=[0])
-
-
-class DashboardState(VerdictFilters):
+class DashboardState(DashboardWords, VerdictFilters):
     """The dashboard without its widgets; see the module docstring. Attributes are the frames a user keeps working with.
 
-    What the filters leave (:attr:`table`, the drill-down's parameters, the views' text)
-    is :class:`wcviz.widgets.filters.VerdictFilters`'.
+    ``reset_pattern``/``allow_partial_reset``: as in :meth:`wcviz.endstate.EndStateSession.report`
+    (a fleet's own pattern by default; ``"poison"`` for frames in memory: give ``"zeros"``
+    for a vLLM check's frames). What the filters leave (:attr:`table`, the drill-down's
+    parameters, the views' text) is :class:`wcviz.widgets.filters.VerdictFilters`'; what
+    it says, :class:`wcviz.widgets._words.DashboardWords`'.
     """
 
     def __init__(
@@ -87,23 +113,31 @@ class DashboardState(VerdictFilters):
         token: str | None = None,
         timeout_s: float = 60.0,
         retries: int = 2,
+        reset_pattern: str | int | None = None,
+        allow_partial_reset: bool = False,
         on_step: Callable[[], None] | None = None,
         on_change: Callable[[], None] | None = None,
     ) -> None:
         self.on_step = on_step or (lambda: None)
         self.on_change = on_change or (lambda: None)  # told when the source changes by itself (a cluster stopped)
-        self.stopped: str | None = None  # why no rank can answer any more, once known
-        self.reset_started = False  # a reset was sent in this check (it may have poisoned): Reload is the way back
+        self.stopped: str | None = None  # why no rank can answer any more (the source stopped for good), once known
+        self.silent: str | None = None  # no rank answered the last fetch: said until one does; every step stays available
+        self.reset_started = False  # a reset ran on some rank in this check (it may have poisoned): Reload is the way back
         self.unusable: str | None = None  # why this check's snapshot cannot be compared (so no reset may follow it)
+        self.void: str | None = None  # why this check's Compare can only fail (its reset did not cover every parameter)
         self.activity = ""  # what is happening now, while an action runs
         self.drill_choice: str | None = None
         self.current: pd.DataFrame | None = None
         self.fetch_result: FetchResult | None = None
+        self.shown_fetch: FetchResult | None = None  # the fetch whose failed ranks the errors show
         self.frames: dict[str, pd.DataFrame] = {}
         self.verdicts: pd.DataFrame | None = None
         self.report: EndStateReport | None = None
-        self.transport: Any = None  # the reload's refit transport check, where the fleet refits
+        self.transport: Any = None  # this check's reload's refit transport check, where the fleet refits
+        self.notes: list[str] = []  # what the fleet did differently in this check's reload (a dead rank: a checkpoint load)
         self.exceptions: list[tuple[str, BaseException]] = []
+        self.cleared: list[Any] = []  # the session's problem records a person cleared (Clear errors)
+        self.cleared_info: set[tuple[str, str]] = set()
         self.infos: dict[str, dict[str, Any]] = {}
         self.info_errors: dict[str, str] = {}
         self.session: EndStateSession | None = None
@@ -111,6 +145,11 @@ class DashboardState(VerdictFilters):
         self.role_filter, self.status_filter, self.search = ALL, ALL, ""
         self.status_text = ""
         self.kind = _frames_kind(source)
+        if reset_pattern is not None:
+            if self.kind in ("verdicts", "compare"):
+                raise ValueError(f"reset_pattern is for an end-state check; these frames ({self.kind}) have no reset")
+            check_reset_pattern(reset_pattern)
+        self.reset_pattern, self.allow_partial_reset = reset_pattern, bool(allow_partial_reset)
         self.token = token
         if self.kind == "verdicts":
             check_statuses(source)  # a row without a status is malformed: refused here, never drawn as neither
@@ -118,7 +157,7 @@ class DashboardState(VerdictFilters):
         elif self.kind is not None:
             self.frames = dict(source)
         else:
-            self.fleet = _fleet_of(source, token, {"timeout_s": float(timeout_s), "retries": int(retries)})
+            self.fleet = _fleet_of(source, token, lambda: _network(timeout_s, retries))
             self.kind = "fleet"
             self.token = getattr(self.fleet, "token", token)
             self.session = EndStateSession(self.fleet, on_step=self._stepped)
@@ -127,20 +166,9 @@ class DashboardState(VerdictFilters):
             self.check_alive()
             if hasattr(self.fleet, "info") and self.stopped is None:
                 self.infos, self.info_errors = self.fleet.info()
-            self.status_text = self.initial_status()
-        if self.kind == "verdicts":
-            self.status_text = self.verdict_status()
+        self.status_text = self.initial_status()
 
     # ---- what the source allows ------------------------------------------------------------
-
-    @property
-    def live(self) -> bool:
-        """Whether there are ranks to fetch from and act on (not frames in memory)."""
-        return self.fleet is not None
-
-    @property
-    def targets(self) -> tuple[str, ...]:
-        return self.session.targets if self.session is not None else ()
 
     @property
     def mutation_block(self) -> str | None:
@@ -152,24 +180,28 @@ class DashboardState(VerdictFilters):
 
     def require(self, action: str, *, mutation: bool = True) -> None:
         if not self.live:
-            raise RuntimeError(f"{action} is disabled: frames in memory have no agents to fetch from or act on")
+            raise StepRefused(f"{action} is disabled: frames in memory have no agents to fetch from or act on")
         if self.stopped is not None:
-            raise RuntimeError(f"{action} is disabled: {self.stopped}")
+            raise StepRefused(f"{action} is disabled: {self.stopped}")
         block = self.mutation_block if mutation else None
         if block is not None:
-            raise PermissionError(f"{action} is disabled: {block}")
+            raise MutationRefused(f"{action} is disabled: {block}")
 
     # ---- the flow: 1 Snapshot -> 2 Reset -> 3 Reload -> 4 Compare; Fetch any time ----------------
 
     def _done(self, step: str) -> bool:
-        return self.verdicts is not None if step == "compare" else step in self.frames
+        if step == "compare":
+            return self.verdicts is not None
+        return step in self.frames and (step != "reset" or self.reset_started)  # a reset every rank refused is not done
 
     def step_block(self, step: str) -> str | None:
         """Why ``step`` (``fetch`` or one of :data:`FLOW`) cannot run now, in words; None when it can."""
         if step not in ("fetch", *FLOW):
             raise ValueError(f"unknown step {step!r}; choose fetch or one of {', '.join(FLOW)}")
         if not self.live:
-            return None if step == "compare" else "frames in memory: there are no agents to fetch from or act on"
+            if step != "compare":
+                return "frames in memory: there are no agents to fetch from or act on"
+            return None if self.void is None else f"{_VOID}: these frames cannot be compared"
         if self.stopped is not None:
             return self.stopped
         if step == "fetch":
@@ -189,13 +221,17 @@ class DashboardState(VerdictFilters):
             if not self.reset_started:
                 return "reset first (2 Reset): Reload writes back what the reset overwrote"
             if "reload" in self.frames and self.session is not None and not len(self.session.poisoned):
+                if self.void is not None:
+                    return f"reloaded; {_VOID}: start a new check (1 Snapshot)"
                 if self.verdicts is None:
                     return "reloaded: 4 Compare says what it wrote"
                 if bool((self.verdicts["status"] == "match").all()):
                     return "reloaded, and every weight matches: a new check starts with 1 Snapshot"
                 # verdicts that are not all match: a weight may still hold the reset pattern, so reloading again is valid
         if step == "compare":
-            todo = [f"{i} {p.capitalize()}" for i, p in enumerate(PHASES, 1) if p not in self.frames]
+            if self.void is not None:
+                return f"{_VOID}: start a new check (1 Snapshot)"
+            todo = [f"{i} {p.capitalize()}" for i, p in enumerate(PHASES, 1) if not self._done(p)]
             if todo:
                 return f"run {', '.join(todo)} first"
         return None
@@ -208,18 +244,18 @@ class DashboardState(VerdictFilters):
     @property
     def next_step(self) -> str | None:
         """The step of the flow to take next (the one the dashboard highlights), or None when the check is done."""
-        if self.unusable is not None and self.step_block("snapshot") is None:
-            return "snapshot"  # the snapshot cannot be compared: take it again
+        if self.unusable is not None or self.void is not None:  # this check cannot conclude: a new one (after a reload)
+            return next((s for s in ("snapshot", "reload") if self.live and self.step_block(s) is None), None)
         for step in FLOW:
             if not self._done(step):
                 return step if self.step_block(step) is None else None
         return None
 
     def require_step(self, step: str) -> None:
-        """Raise, saying why, unless ``step`` may run now (:meth:`step_block`)."""
+        """Raise :class:`StepRefused` (:class:`MutationRefused`), saying why, unless ``step`` may run now."""
         why = self.step_block(step)
         if why is not None:
-            error = PermissionError if why == self.mutation_block else RuntimeError
+            error = MutationRefused if why == self.mutation_block else StepRefused
             raise error(f"{step} is disabled: {why}")
 
     # ---- a source that stops -------------------------------------------------------------------
@@ -234,30 +270,21 @@ class DashboardState(VerdictFilters):
         why = ask() if callable(ask) else None
         if why:
             self.stopped = str(why)
-            self.status_text = f"STOPPED: {self.stopped}; the views show the last results (stale)"
+            self.status_text = self.stopped_status()
         return self.stopped
 
-    def _noticed_silence(self, res: FetchResult) -> None:
-        """A fetch in which no rank answered and every one is unreachable: the fleet has stopped."""
+    def _heard(self, res: FetchResult) -> None:
+        """Whether any rank answered ``res``: none (every one unreachable) is said until a later fetch gets an answer."""
         if res.answered == 0 and len(res.failed) and bool((res.failed["kind"] == "unreachable").all()):
-            self.stopped = f"no rank answers ({plural(len(res.failed), 'rank')} unreachable): the agents or the cluster have stopped"
-
-    def plan(self, action: str) -> str:
-        """What ``action`` is about to do, in words (the status line while it runs)."""
-        n = plural(len(self.targets), "rank")
-        if action == "fetch":
-            return f"fetching the digests of {n}…"
-        if action == "compare":
-            return "comparing…"
-        how = "refit" if getattr(self.fleet, "transport", False) is not False else "the weight update"
-        what = {"snapshot": "every rank records its digests", "reset": "overwriting every weight", "reload": how}[action]
-        return f"{_DOING[action]}: {what}, then fetching the digests of {n}…"
+            n = plural(len(res.failed), "rank") if self.ranks_known else "every rank"
+            self.silent = f"no rank answers ({n} unreachable): the agents or the network may be down; Fetch asks again"
+        elif res.answered:
+            self.silent = None
 
     def _stepped(self, phase: str, step: str) -> None:
         """The session finished ``step`` of ``phase``: say what comes next, tick the progress."""
-        n = plural(len(self.targets), "rank")
         if step == phase:
-            self.activity = f"{_DOING[phase]}: {phase} done, fetching the digests of {n}…"
+            self.activity = f"{DOING[phase]}: {phase} done, fetching the digests of {self.ranks_words()}…"
         self.on_step()
 
     # ---- actions ---------------------------------------------------------------------------
@@ -272,15 +299,17 @@ class DashboardState(VerdictFilters):
         self.activity = self.plan("fetch")
         res = self.fleet.digests("current")
         self.on_step()
-        self._noticed_silence(res)
-        self.fetch_result, self.current = res, res.frame
+        self._heard(res)
+        self.fetch_result, self.shown_fetch, self.current = res, res, res.frame
         for u, info in res.infos.items():
             self.infos[u] = info
             self.info_errors.pop(u, None)
         kinds = [f"{int((res.failed['kind'] == k).sum())} {k}" for k in ("unreachable", "failed", "empty") if (res.failed["kind"] == k).any()]
-        self.status_text = "; ".join([f"fetch: {self._answered(res.answered)}", *kinds, plural(len(res.frame), "parameter")])
-        if self.stopped is not None:
-            self.status_text = f"STOPPED: {self.stopped}; the views show the last results (stale)"
+        self.status_text = "; ".join([f"fetch: {self.answered_words(res.answered)}", *kinds, plural(len(res.frame), "parameter")])
+        if self.silent is not None:
+            self.status_text = self.silent_status(self.status_text)
+        if self.check_alive() is not None:
+            self.status_text = self.stopped_status()
         return res.frame
 
     def phase(self, phase: str) -> pd.DataFrame:
@@ -289,158 +318,85 @@ class DashboardState(VerdictFilters):
         self.require_step(phase)
         assert self.session is not None
         self.verdicts = self.report = None  # a phase run again makes earlier verdicts stale
-        if phase == "snapshot":
-            self.transport = None
-            self.reset_started = False
-            self.unusable = None
-            self.frames = {}
+        if phase == "snapshot":  # a new check: what the one before it found, failed or cleared is history
+            self.reset_started, self.unusable, self.void, self.frames = False, None, None, {}
+            self.shown_fetch, self.cleared = None, []
+        if phase in ("snapshot", "reload"):
+            self.transport, self.notes = None, []
         if phase == "reset":
             self.reset_started = True  # from here on the ranks may hold the reset pattern: Reload is the way back
+        notes = getattr(self.fleet, "notes", None)
+        seen = len(notes) if isinstance(notes, list) else 0
         self.activity = self.plan(phase)
         try:
             frame = getattr(self.session, phase)()
         except SnapshotUnusable as e:  # refused before any reset was sent: nothing is poisoned
-            self.unusable = str(e).split(": ", 1)[-1]
+            self.unusable = said(e).split(": ", 1)[-1]
             if phase == "reset":
                 self.reset_started = False
             raise
         finally:
             self.frames = dict(self.session.frames)
+            if phase == "reset" and self.targets and set(self.targets) <= self.session.unpoisoned:
+                self.reset_started = False  # every rank refused the reset (a wrong token): nothing holds the pattern
         if phase == "reload":
             self.transport = getattr(self.fleet, "transport", None)
+            self.notes = list(notes[seen:]) if isinstance(notes, list) else []
         fetched = self.session.fetches.get(phase)
         if fetched is not None:
-            self._noticed_silence(fetched)
+            self._heard(fetched)
         self.current = frame
-        self.status_text = self._phase_status(phase)
-        if self.stopped is not None:
-            self.status_text = f"STOPPED: {self.stopped}; {self.status_text}"
+        self.status_text = self.phase_status(phase)
+        if self.silent is not None:
+            self.status_text = self.silent_status(self.status_text)
+        if self.check_alive() is not None:
+            self.status_text = f"{self.stopped_status()}; {self.status_text}"
         return frame
 
     def compare(self) -> pd.DataFrame:
-        """The verdicts: the end-state check's classification, or expected against actual."""
+        """The verdicts: the end-state check's classification, or expected against actual.
+
+        A reset that did not cover every parameter voids the check
+        (:class:`wcviz.endstate.ResetNotCovered`): Compare is then off until a new check.
+        """
         self.activity = "comparing…"
-        if self.session is not None:
-            self.require_step("compare")
-            report = self.session.report()
-            report.transport = self.transport
-            self.report, self.verdicts = report, report.verdicts
-        elif self.kind == "endstate":
-            f = self.frames
-            self.verdicts = classify(f["snapshot"], f["reset"], f["reload"])
-            self.report = EndStateReport(verdicts=self.verdicts, frames=dict(f), problems=_no_problems())
-        elif self.kind == "compare":
-            self.verdicts = compare(self.frames["expected"], self.frames["actual"])
+        self.require_step("compare")
+        try:
+            if self.session is not None:
+                report = self.session.report(allow_partial_reset=self.allow_partial_reset, reset_pattern=self.reset_pattern)
+                report.transport = self.transport
+                report.notes.extend(self.notes)
+                self.report, self.verdicts = report, report.verdicts
+            elif self.kind == "endstate":
+                f = self.frames
+                pattern = "poison" if self.reset_pattern is None else self.reset_pattern
+                self.verdicts = classify(
+                    f["snapshot"], f["reset"], f["reload"], allow_partial_reset=self.allow_partial_reset, reset_pattern=pattern
+                )
+                self.report = EndStateReport(verdicts=self.verdicts, frames=dict(f), problems=_no_problems())
+            elif self.kind == "compare":
+                self.verdicts = compare(self.frames["expected"], self.frames["actual"])
+        except ResetNotCovered as e:
+            self.void = said(e)
+            raise
         assert self.verdicts is not None
         self.on_step()
         self.status_text = self.verdict_status()
         return self.verdicts
+
+    def clear_errors(self) -> None:
+        """Forget what the errors area shows: the exceptions, the check's rank problems and the last fetch's failures."""
+        self.exceptions.clear()
+        if self.session is not None:
+            self.cleared.extend(self.session.problems)
+        self.cleared_info |= set(self.info_errors.items())
+        self.shown_fetch = None
 
     @property
     def bad(self) -> bool:
         """Whether the verdicts hold anything but a match, or the check has problems."""
         found = self.verdicts is not None and bool((self.verdicts["status"] != "match").any())
         return found or (self.report is not None and bool(len(self.report.problems)))
-
-    # ---- what the dashboard says -----------------------------------------------------------
-
-    def initial_status(self) -> str:
-        if self.kind == "verdicts":
-            return self.verdict_status()
-        line = f"{plural(len(self.targets), 'agent')}; nothing fetched yet"
-        block = self.mutation_block
-        return line + (f"; Snapshot, Reset and Reload are off: {block}" if block else "")
-
-    def _answered(self, answered: int) -> str:
-        return f"{answered:,} of {len(self.targets):,} ranks answered"
-
-    def _phase_status(self, phase: str) -> str:
-        assert self.session is not None
-        frame = self.session.frames[phase]
-        problems = self.session.problem_table
-        acted = problems[(problems["phase"] == phase) & (problems["step"] == phase)]
-        parts = []
-        if len(acted):
-            still = " (still poisoned)" if phase == "reload" else ""
-            parts.append(f"{phase} FAILED on {acted['url'].nunique()} of {len(self.targets)} ranks{still}")
-        else:
-            parts.append(f"{phase} done")
-        parts.append(self._answered(self.session.answered.get(phase, 0)))
-        parts.append(plural(len(frame), "parameter"))
-        if phase == "reset" and "snapshot" in self.session.frames:
-            parts.append(_coverage_hint(self.session.frames["snapshot"], frame, self.session.fleet.reset_pattern))
-        return "; ".join(parts)
-
-    def verdict_status(self) -> str:
-        """Ranks, then findings worst first (:func:`wcviz.verdicts.status_parts`), then the report's problems."""
-        v = self.verdicts
-        assert v is not None
-        n = len(_ranks(v))
-        if (v["status"] == "unreachable").any():
-            head = f"{n - len(_ranks(v[v['status'] == 'unreachable'])):,} of {n:,} ranks answered"
-        elif self.report is not None and self.live:
-            head = f"{n:,} of {n:,} ranks answered"
-        else:
-            head = plural(n, "rank")
-        parts = [head]
-        rep = self.report
-        if rep is not None and len(rep.poisoned):
-            labels = ", ".join(sorted({rank_label(r, "role") for r in rep.poisoned.to_dict(orient="records")}))
-            parts.insert(0, f"RELOAD FAILED on {labels}: still poisoned")
-        # every row counts, a finding without a name and a whole rank (unreachable, empty: named) included
-        findings = status_parts(v, name_ranks=True, style="short", most=3)
-        n_params = n_parameters(v)
-        if len(v) and bool((v["status"] == "match").all()):
-            findings = [f"all {plural(n_params, 'parameter')} match" if n_params != 1 else "the 1 parameter matches"]
-        parts += findings or ["no parameters"]
-        if rep is not None and len(rep.problems) > len(rep.poisoned):
-            parts.append(f"{plural(len(rep.problems) - len(rep.poisoned), 'problem')} (see errors)")
-        return "; ".join(parts)
-
-    @property
-    def problem_lines(self) -> list[str]:
-        """Rank problems: the check's (phase/step, rank, kind, error) and the last fetch's failed ranks."""
-        lines = [f"info: {u}: {err}" for u, err in self.info_errors.items()]
-        if self.session is not None:
-            for r in self.session.problem_table.to_dict(orient="records"):
-                lines.append(f"{r['phase']}/{r['step']}: {rank_label(r, 'role')} {r['kind']}: {r['error']}")
-        if self.fetch_result is not None:
-            for r in self.fetch_result.failed.to_dict(orient="records"):
-                lines.append(f"fetch: {rank_label(r, 'role')} {r['kind']}: {r['error']}")
-        return lines
-
-    @property
-    def error_text(self) -> str:
-        """What the errors area shows, as plain text: exceptions (oldest first), then rank problems."""
-        lines = [f"{action}: {_said(e)}" for action, e in self.exceptions]
-        return "\n".join(lines + self.problem_lines)
-
-    def empty_hint(self) -> str:
-        if self.live:
-            done = [p for p in ("snapshot", "reset", "reload") if p in self.frames]
-            if not done:
-                return "no verdicts yet: Snapshot, Reset, Reload, then Compare"
-            todo = [p.capitalize() for p in ("snapshot", "reset", "reload") if p not in self.frames]
-            return f"no verdicts yet ({', '.join(done)} done): " + ", ".join([*todo, "Compare"])
-        return "no verdicts yet: press Compare"
-
-
-def _coverage_hint(snapshot: pd.DataFrame, reset: pd.DataFrame, pattern: Any) -> str:
-    """``N of M fully reset`` over the ranks that answered the reset: a hint in the status line (Compare judges)."""
-    try:
-        cov = reset_coverage(snapshot, reset, reset_pattern=pattern)
-        cols = [c for c in IDENTITY if c in reset]
-        answered = cov[cols].merge(_ranks(reset).assign(_in=True), on=cols, how="left")["_in"].notna().to_numpy()
-        nonempty = cov[~cov["empty"].to_numpy() & answered]  # a rank that did not answer is not counted
-        return f"{int(nonempty['covered'].sum()):,} of {len(nonempty):,} fully reset"
-    except Exception as e:  # noqa: BLE001 - the coverage is a hint here; Compare reports the real error
-        return f"reset coverage unknown ({_said(e)})"
-
-
-def _said(e: BaseException) -> str:
-    """What an exception says, for a person: its message (the class name only when it says nothing)."""
-    text = " ".join(str(e).split())
-    return text or type(e).__name__
 
 
 def _no_problems() -> pd.DataFrame:

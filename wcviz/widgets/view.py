@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import ipywidgets as widgets
 import pandas as pd
 
-from wcviz._text import plural
 from wcviz.widgets._area import CLASSES, VIEWS, ViewArea, _classed
-from wcviz.widgets.state import ALL, DashboardState
+from wcviz.widgets._words import said
+from wcviz.widgets.state import ALL, DashboardState, StepRefused
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -67,6 +67,11 @@ class Dashboard(ViewArea):
     verdict frame; then only Compare and the views work). ``token``: the agents' bearer
     token (a cluster's own by default). ``progress``: show the progress bar while
     working. ``timeout_s``/``retries``: per request, as in :func:`wcviz.sources.fetch`.
+    ``reset_pattern``/``allow_partial_reset``: how Compare judges the reset, as in
+    :meth:`wcviz.endstate.EndStateSession.report` (the fleet's pattern by default;
+    ``"poison"`` for frames in memory, so give ``reset_pattern="zeros"`` for a vLLM check's frames).
+    A click on a step that is off does nothing; called from Python, it raises
+    :class:`wcviz.widgets.StepRefused` and leaves the status line as it was.
     Every button has a method (``dash.snapshot(); dash.reset(confirm=True); ...``); what
     the check produced is on :attr:`state` and here (:attr:`verdicts`, :attr:`report`,
     :attr:`frames`, :attr:`table`, ...). The widget is :attr:`widget`.
@@ -90,7 +95,17 @@ class Dashboard(ViewArea):
     live = _state("live", "whether there are ranks to fetch from and act on")
     mutation_block = _state("mutation_block", "why Snapshot, Reset and Reload are off, or None")
 
-    def __init__(self, source: Any, *, token: str | None = None, progress: bool = True, timeout_s: float = 60.0, retries: int = 2) -> None:
+    def __init__(
+        self,
+        source: Any,
+        *,
+        token: str | None = None,
+        progress: bool = True,
+        timeout_s: float = 60.0,
+        retries: int = 2,
+        reset_pattern: str | int | None = None,
+        allow_partial_reset: bool = False,
+    ) -> None:
         self.progress_enabled = bool(progress)
         self._busy = False
         self._reverting = False  # the search box put back after an invalid filter (not a person's choice)
@@ -98,7 +113,8 @@ class Dashboard(ViewArea):
         self._figure: Figure | None = None
         self._build()
         self.state = DashboardState(
-            source, token=token, timeout_s=timeout_s, retries=retries, on_step=self._tick, on_change=self._source_changed,
+            source, token=token, timeout_s=timeout_s, retries=retries, reset_pattern=reset_pattern,
+            allow_partial_reset=allow_partial_reset, on_step=self._tick, on_change=self._source_changed,
         )  # fmt: skip
         self._refresh_buttons()
         if self.kind in ("endstate", "compare"):
@@ -219,7 +235,14 @@ class Dashboard(ViewArea):
     # ---- clicks, errors and progress -------------------------------------------------------
 
     def _click(self, name: str) -> None:
-        """What a button runs: the method, its errors already recorded, never raised into the kernel log."""
+        """What a button runs: the method, its errors already recorded, never raised into the kernel log.
+
+        A click on a step that may not run now (a double click, a click that reaches a
+        button that is off) does nothing: the result on show stays, the tooltip says why.
+        """
+        step = "reset" if name == "reset_yes" else name
+        if step in _BUTTONS and self.state.step_block(step) is not None:
+            return
         actions: dict[str, Callable[[], Any]] = {
             "fetch": self.fetch, "snapshot": self.snapshot, "reset": self.reset, "reset_yes": lambda: self.reset(confirm=True),
             "reset_cancel": self.cancel_reset, "reload": self.reload, "compare": self.compare, "clear_errors": self.clear_errors,
@@ -237,7 +260,7 @@ class Dashboard(ViewArea):
             return fn(), None
         self._busy = True
         self._refresh_buttons()
-        if action == "snapshot":
+        if action == "snapshot" and self.state.step_block("snapshot") is None:
             self.exceptions.clear()  # a new check: what failed before it is history
         if steps:
             self._show_activity(self.state.plan(action) if self.state.live else f"{action}…")
@@ -254,8 +277,11 @@ class Dashboard(ViewArea):
             return out, None
         except Exception as e:  # noqa: BLE001 - shown in the errors area and the status line
             self.exceptions.append((action, e))
-            if action != "view":  # a view that fails leaves a note in the view area; the status stays the check's
-                self.state.status_text = f"{action} FAILED: {' '.join(str(e).split()) or type(e).__name__}"
+            # a view that fails leaves a note in the view area, and a step refused ran nothing: the status stays the check's
+            if isinstance(e, StepRefused):
+                self._show_status()  # what it said before the refused step's "working" line
+            elif action != "view":
+                self.state.status_text = f"{action} FAILED: {said(e)}"
                 self._show_status(bad=True)
             return None, e
         finally:
@@ -283,20 +309,20 @@ class Dashboard(ViewArea):
         self.status_line.value = f'<span class="wcviz-status-text wcviz-working" style="color:#1f5fa8">{html.escape(text)}</span>'
 
     def clear_errors(self) -> None:
-        """Forget the exceptions shown (rank problems stay until their phase runs again)."""
-        self.exceptions.clear()
+        """Forget what the errors area shows: exceptions and rank problems (the session's record of them stays)."""
+        self.state.clear_errors()
         self._show_errors()
 
     def _show_errors(self) -> None:
         text = self.error_text
         self.errors.value = f'<pre class="wcviz-error-text" style="{_ERROR_STYLE}">{html.escape(text)}</pre>' if text else ""
         self.errors.layout.display = None if text else "none"
-        self.clear_button.layout.display = None if self.exceptions else "none"
+        self.clear_button.layout.display = None if text else "none"
 
     def _show_status(self, *, bad: bool | None = None) -> None:
         text = self.status_text
         if bad is None:
-            bad = "FAILED" in text or "STOPPED" in text or self.state.bad or (text.startswith("fetch:") and self.fetch_result is not None and not self.fetch_result.complete)
+            bad = any(w in text for w in ("FAILED", "STOPPED", "NO ANSWER")) or self.state.bad or (text.startswith("fetch:") and self.fetch_result is not None and not self.fetch_result.complete)
         color = "#B2182B" if bad else "inherit"
         self.status_line.value = f'<span class="wcviz-status-text" style="color:{color}">{html.escape(text)}</span>'
 
@@ -323,7 +349,7 @@ class Dashboard(ViewArea):
             self.state.require_step("reset")
             if not confirm:
                 self.confirm_text.value = (
-                    f"<b>Reset overwrites every weight on {plural(len(self.state.targets), 'rank')}.</b> "
+                    f"<b>Reset overwrites every weight on {self.state.ranks_words()}.</b> "
                     "They serve the reset pattern until 3 Reload writes the weights again."
                 )
                 self.reset_confirm.layout.display = None
