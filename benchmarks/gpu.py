@@ -154,6 +154,9 @@ def engines(device: torch.device, gib: float, timer: Timer, smoke: bool) -> tupl
         x = random_tensor(numel, torch.bfloat16, device, seed=numel % 991)
         for algo in ENGINE_ALGORITHMS:
             checks.append((f"{algo} {numel} bf16", str(digest_hex(x, algo=algo)) == str(digest_hex(x.cpu(), algo=algo))))
+    odd = random_tensor(4099, torch.bfloat16, device, seed=7)[1:4097]  # a byte offset of 2: not a whole int32 word
+    for algo in ENGINE_ALGORITHMS:
+        checks.append((f"{algo} 4096 bf16 at byte offset 2", str(digest_hex(odd, algo=algo)) == str(digest_hex(odd.cpu(), algo=algo))))
     x = random_tensor(int(gib * 2**30) // 2, torch.bfloat16, device, seed=3)
     nbytes = x.numel() * 2
     rows = [(f"{algo} on {device.type}", nbytes / timer(lambda a=algo: digest_hex(x, algo=a), 1 if smoke else 3) / 1e9) for algo in ENGINE_ALGORITHMS]

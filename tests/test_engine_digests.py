@@ -91,6 +91,18 @@ def test_sglang_gpu_compiled_kernel_matches_the_reference(n: int) -> None:
     assert str(digest_hex(t, algo="sglang-gpu")) == f"{want:016x}"
 
 
+@pytest.mark.parametrize(("dtype", "start"), [(torch.bfloat16, 1), (torch.uint8, 1), (torch.uint8, 3), (torch.bfloat16, 3)])
+def test_sglang_gpu_torch_path_takes_a_slice_at_an_odd_byte_offset(dtype: torch.dtype, start: int) -> None:
+    """A slice whose bytes do not start on an int32 boundary: the CUDA path copies it instead of crashing."""
+    base = torch.arange(4 * TILE_BYTES + 8, dtype=torch.int64).to(dtype)
+    s = base[start : start + 2 * TILE_BYTES]  # a whole number of words, misaligned by ``start`` elements
+    assert (s.storage_offset() * s.element_size()) % 4
+    want = reference_sglang_gpu(s.contiguous().clone().view(torch.uint8).numpy())
+    assert sglang_gpu_words(s) == want
+    assert sglang_gpu_words(s, chunk_words=8192) == want
+    assert str(digest_hex(s, algo="sglang-gpu")) == f"{want:016x}"
+
+
 def test_sglang_gpu_is_position_sensitive_and_tile_sensitive() -> None:
     raw = np.zeros(3 * TILE_BYTES, dtype=np.uint8)
     base = reference_sglang_gpu(raw)

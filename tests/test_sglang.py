@@ -475,3 +475,29 @@ def test_attention_dp_lists_each_rank_once_per_group_and_reads_as_one_rank_each(
     res = from_sglang("http://sg", transport=httpx.MockTransport(lambda r: httpx.Response(200, json=body)))
     assert not res.complete and sorted(res.failed["tp"].dropna().tolist()) == [0, 0]
     assert all("claims the same rank" in e for e in res.failed["error"])
+
+
+def test_an_answer_implying_absurd_sizes_is_one_failed_row_not_a_million() -> None:
+    """tp_size 1000 x pp_size 500 in parallelism_info made the client list 499,999 'not reported' ranks (seconds of
+    CPU, and memory growing with the claim): an answer beyond MAX_IMPLIED_RANKS is refused as a whole."""
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    from wcviz._serving import serve_in_thread, stop_server
+    from wcviz.sources._sglang import _overall
+
+    sums = {"w": "0123456789abcdef"}
+    info = {"role": "target", "tp_rank": 0, "tp_size": 1000, "dp_rank": 0, "dp_size": 1, "pp_rank": 0, "pp_size": 500, "rank": 0, "size": 1}
+    body = {"success": True, "message": "Success.", "ranks": [{"checksums": sums, "per_gpu_checksum": _overall(sums), "parallelism_info": [info]}]}
+
+    async def answer(request: Request) -> JSONResponse:
+        return JSONResponse(body)
+
+    server, thread, url = serve_in_thread(Starlette(routes=[Route("/weights_checker", answer, methods=["POST"])]), "127.0.0.1", 0, name="absurd")
+    try:
+        res = from_sglang(url)
+    finally:
+        stop_server(server, thread, "absurd")
+    assert len(res.failed) == 1 and not res.complete
+    assert "more than 65,536" in res.failed["error"].iloc[0]

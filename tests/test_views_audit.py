@@ -255,3 +255,11 @@ def test_notebook_04_saved_cost_table_has_no_rate_of_zero() -> None:
     for table in tables:
         rates = [line.split()[-1] for line in table.strip().splitlines()[1:]]
         assert rates and all(float(r) > 0 for r in rates if r != "-"), table  # was 0.00: a slow backend read as free
+
+
+@pytest.mark.parametrize("seconds", [0, float("nan"), -1.0, float("inf")])
+def test_a_cost_row_of_no_time_is_refused_not_drawn_as_an_infinite_bar(seconds: float) -> None:
+    cost = pd.DataFrame({"model": ["m"], "backend": ["numba"], "nbytes": [100], "seconds": [seconds]})
+    for view in (cost_text, plot_cost):
+        with pytest.raises(TableError, match=r"cost row 0 \(m, numba\): seconds must be a finite number > 0"):
+            view(cost)

@@ -280,3 +280,70 @@ def test_verify_refuses_a_served_dtype_that_is_not_one(checkpoint: Path, capsys:
             assert main(["verify", url, "--checkpoint", str(checkpoint), "--tp", "2", "--dtype", dtype]) == 2
             err = capsys.readouterr().err
             assert err.count("\n") == 1 and f"the served dtype {dtype!r}" in err
+
+
+def _pcp_app(sums: dict[str, str], spoil: str | None = None):  # noqa: ANN202 - a Starlette app
+    """vLLM 0.33 with --prefill-context-parallel-size 2: every key once per PCP rank (the same TP shard), world 4."""
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    both = {**sums, **{k.replace(":pcp0:", ":pcp1:"): v for k, v in sums.items()}}
+    if spoil is not None:
+        both[spoil] = "0" * 64
+
+    async def checker(request: object) -> JSONResponse:
+        return JSONResponse({"checksums": both})
+
+    async def world(request: object) -> JSONResponse:
+        return JSONResponse({"world_size": 4})  # TP x PP x PCP, DP 1: the same with or without include_dp
+
+    return Starlette(routes=[Route("/weight_checker", checker, methods=["POST"]), Route("/get_world_size", world, methods=["GET"])])
+
+
+def test_prefill_context_parallel_ranks_are_checked_against_pcp0_not_collided(checkpoint: Path) -> None:
+    """PCP ranks carry the same dp/pp/tp: two rows per (rank, name) made verify exit 2 ("share a key"). Now
+    pcp0 stands for the shard and every other PCP rank must hold exactly what pcp0 holds."""
+    from test_vllm import serve
+
+    sim = SimVllm(TINY, tp=2)
+    with sim as url0:
+        sums = httpx.post(url0 + "/weight_checker", json={"action": "checksum"}).json()["checksums"]
+    with serve(_pcp_app(sums)) as url:
+        assert main(["verify", url, "--checkpoint", str(checkpoint), "--tp", "2", "--engine", "vllm", "--vocab-padding", "1"]) == 0
+    spoiled = next(k for k in sums if k.startswith("dp0:pp0:pcp0:tp1:")).replace(":pcp0:", ":pcp1:")
+    with serve(_pcp_app(sums, spoil=spoiled)) as url:
+        res = from_vllm_weight_checker(url)
+        report = verify_engine(url, checkpoint, tp=2, engine="vllm", vocab_padding=1)
+    assert not res.complete and "pcp1 holds other weights than pcp0" in " ".join(res.failed["error"])
+    assert not report.ok
+
+
+def test_auto_names_a_vllm_without_dev_mode_as_vllm_with_the_dev_mode_hint(checkpoint: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """vLLM always serves GET /version; without dev mode it was taken for an SGLang with no /weights_checker."""
+    with SimVllm(TINY, tp=2, dev_mode=False) as url:
+        assert main(["verify", url, "--checkpoint", str(checkpoint), "--tp", "2", "--vocab-padding", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "VLLM_SERVER_DEV_MODE=1" in err and "SGLang" not in err
+
+
+def test_endstate_ok_is_false_when_vllms_own_compare_failed() -> None:
+    """A pass printed beside "vLLM's own compare: FAILED" was ``ok``."""
+    from wcviz.endstate.engines import EngineEndstate
+    from wcviz.sources import ActionResult
+
+    failed = ActionResult("compare", ("http://e",))
+    failed.errors["http://e"] = "1 checksum(s) differ from the snapshot"
+    passed = ActionResult("compare", ("http://e",), answers={"http://e": {}})
+    verdicts = pd.DataFrame({"rank": pd.array([0], dtype="Int64"), "name": ["w"], "status": ["match"]})
+    empty = pd.DataFrame({c: [] for c in ("phase", "step", "url", "kind", "error", "rank")})
+    assert EngineEndstate(verdicts=verdicts, frames={}, problems=empty, compare=passed, engine="vLLM").ok
+    assert not EngineEndstate(verdicts=verdicts, frames={}, problems=empty, compare=failed, engine="vLLM").ok
+
+
+@pytest.mark.parametrize(("url", "said"), [("127.0.0.1:8000", "is not an engine URL"), ("http://127.0.0.1:99999", "port 99999")])
+def test_verify_refuses_a_bad_url_and_out_before_digesting(checkpoint: Path, capsys: pytest.CaptureFixture[str], url: str, said: str) -> None:
+    assert main(["verify", url, "--checkpoint", str(checkpoint), "--tp", "2"]) == 2
+    assert said in capsys.readouterr().err
+    assert main(["verify", "http://127.0.0.1:9", "--checkpoint", str(checkpoint), "--tp", "2", "--out", "/nonexistent/x.csv"]) == 2
+    assert "/nonexistent" in capsys.readouterr().err

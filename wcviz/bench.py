@@ -35,7 +35,7 @@ __all__ = [
 ]
 
 MODELS: dict[str, ModelConfig] = {
-    "llama-tiny": TINY,  # ~0.2 MB bf16, 29 tensors
+    "llama-tiny": TINY,  # ~0.2 MB bf16, 30 tensors
     "llama-small": ModelConfig(vocab=8000, hidden=256, layers=6, heads=4, kv_heads=2, intermediate=1024),  # ~20 MB bf16
     "moe-tiny": TINY_MOE,  # ~0.4 MB bf16, 4 experts per layer
 }
@@ -288,6 +288,10 @@ def predicted_cost(
         rates["device"] = "cpu"
     if "rate_source" not in rates:
         rates["rate_source"] = MEASURED_HERE
+    # ``auto`` is measured (and labelled) as the backend it picks on the row's device, so look it up by that name
+    rates["backend"] = [
+        resolve_backend(b, d) if b == "auto" else b for b, d in zip(rates["backend"].astype(str), rates["device"].astype(str))
+    ]
     here = list(dict.fromkeys(rates[rates["device"] == "cpu"]["backend"]))  # only these can be measured here
     rows = []
     for name, cfg in zoo.items():

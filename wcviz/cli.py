@@ -6,7 +6,8 @@ a running vLLM or SGLang with a checkpoint through the engine's own checker, rea
 ``demo`` runs the
 simulated-cluster demo. Exit status: 0 all match (every rank answered), 1 something
 differs or a rank did not answer, 2 bad input (a clear one-line error naming the
-file, tensor, column or flag; never a traceback).
+file, tensor, column or flag; never a traceback), 130 on Ctrl-C. For ``demo``, 0 means
+the check found what the injected fault should give, 1 that it did not.
 """
 
 from __future__ import annotations
@@ -50,12 +51,12 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--out", metavar="FILE", help="also write the verdict table here (.csv/.parquet/.json)")
     c.add_argument("--no-progress", action="store_true", help="no progress bar")
 
-    f = sub.add_parser("fetch", help="fetch the digests of running agents over HTTP; exit 1 if a rank did not answer")
+    f = sub.add_parser("fetch", help="fetch the digests of running agents over HTTP; exit 1 if a rank did not answer or holds nothing")
     f.add_argument("urls", nargs="+", metavar="URL", help="agent base URLs (http://host:port)")
     f.add_argument("--out", metavar="FILE", help="write the frame here (.csv/.parquet/.json)")
     f.add_argument("--name", metavar="REGEX", help="only parameters whose name matches")
     f.add_argument("--timeout", type=float, default=10.0, metavar="S", help="per-request timeout in seconds (default 10)")
-    f.add_argument("--retries", type=int, default=2, help="retries per request on connection errors and 5xx (default 2)")
+    f.add_argument("--retries", type=int, default=2, help="retries per request on connection errors, timeouts and 5xx (default 2; the pause doubles from 0.1 s to at most 2 s)")
 
     v = sub.add_parser(
         "verify",
@@ -263,9 +264,26 @@ def _writable_dir(path: str) -> Path:
     return out
 
 
+def _check_table_out(out: str | None) -> None:
+    """``--out`` as a table file that can be written (.csv, .parquet or .json, in a directory that exists and is
+    writable): refused before minutes of digesting, not after them."""
+    if not out:
+        return
+    from wcviz._errors import TableError
+
+    suffix, parent = Path(out).suffix.lower(), Path(out).resolve().parent
+    if suffix not in (".csv", ".parquet", ".json"):
+        raise TableError(f"{out}: unknown table format {suffix or '(no suffix)'}; use .csv, .parquet or .json")
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"--out {out}: the directory {parent} does not exist or cannot be written")
+
+
 def _verify(args: argparse.Namespace) -> int:
     from wcviz.live import verify_engine
+    from wcviz.sources import checked_url
 
+    checked_url(args.url, "engine")
+    _check_table_out(args.out)
     report = verify_engine(
         args.url, args.checkpoint, tp=args.tp, pp=args.pp, dp=args.dp, ep=args.ep, family=args.family, engine=args.engine,
         heads=args.heads, kv_heads=args.kv_heads, dtype=args.dtype, vocab_padding=args.vocab_padding,

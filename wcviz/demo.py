@@ -1,13 +1,15 @@
 """``wcviz demo`` (``make demo``): a partial weight update caught on a simulated cluster.
 
-Starts a trainer and an engine of TP 2 x PP 2 as real processes in one gloo group on
+Starts a trainer and an engine of TP 2 x PP 2 by default (``--tp``, ``--pp``) as real processes in one gloo group on
 127.0.0.1, with an HTTP agent on every rank. The trainer takes a step and refits the
 engine (transport check ``log``: both ends digest every parameter). Then the
 end-state check runs over the agents: snapshot, reset (poison every weight), reload
 by a refit with a loader fault injected, compare. The transport check of that reload
 passes - the bytes arrived - and the end-state check names the layer, rank and
-parameter the loader left behind. Frames go to parquet and the layer x rank view to
-a PNG in ``--out``; every process is stopped at the end.
+parameter the loader left behind (nothing, with ``--fault none``). Frames go to parquet
+and the layer x rank view to a PNG in ``--out``; every process is stopped at the end.
+Exit 0 when the verdicts are what the fault should give, 1 otherwise, 2 for bad flags,
+130 on Ctrl-C.
 """
 
 from __future__ import annotations

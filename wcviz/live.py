@@ -163,14 +163,20 @@ def _common_dtype(dtypes: set[Any]) -> str | None:
 def _which_engine(url: str, net: Mapping[str, Any]) -> str | None:
     """``vllm`` when ``/get_world_size`` answers (dev mode), ``sglang`` when the server answers otherwise, None
     when nothing answers at all (which engine it is cannot be told then; every rank is unreachable either way)."""
-    from wcviz.sources import EngineEndpointError, vllm_world_size
+    from wcviz.sources import EngineEndpointError, vllm_version, vllm_world_size
 
+    opts: dict[str, Any] = {
+        "token": net.get("token"), "client": net.get("client"), "transport": net.get("transport"),
+        "timeout_s": min(float(net.get("timeout_s", 30)), 30.0),
+    }  # fmt: skip
     try:
-        vllm_world_size(url, token=net.get("token"), client=net.get("client"), transport=net.get("transport"), timeout_s=min(float(net.get("timeout_s", 30)), 30.0))
+        vllm_world_size(url, **opts)
         return "vllm"
     except EngineEndpointError as e:
         if e.kind == "unreachable":
             return None
+        if vllm_version(url, **opts) is not None:  # a vLLM without dev mode (404) or refusing the token: its error says what to do
+            raise
     return "sglang"
 
 

@@ -159,10 +159,20 @@ def _triton_trusted() -> bool:
 
 
 def _triton_runs_on(device_type: str) -> bool:
-    """Triton kernels run on CUDA, and on the CPU only in its interpreter (``TRITON_INTERPRET=1``)."""
-    import os
+    """Triton kernels run on CUDA, and on the CPU only in its interpreter (``TRITON_INTERPRET=1``).
 
-    return device_type == "cuda" or (device_type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))
+    Triton reads the variable when the kernels are defined (``_triton``'s import): set later, it would
+    only get Triton's unclear "0 active drivers" error, hence a :class:`DigestError` saying so.
+    """
+    import os
+    import sys
+
+    asked = device_type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    module = sys.modules.get("wcviz.digest._triton")  # not yet imported: it will be, under the variable as it is now
+    if asked and module is not None and not module.INTERPRETED_AT_IMPORT:
+        raise DigestError("backend 'triton' on a CPU tensor needs Triton's interpreter, but TRITON_INTERPRET=1 was set "
+                          "after wcviz's Triton kernels were imported; TRITON_INTERPRET=1 must be set before they are imported")
+    return device_type == "cuda" or asked
 
 
 def resolve_backend(backend: str, device_type: str, name: str | None = None) -> str:

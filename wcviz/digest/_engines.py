@@ -106,82 +106,6 @@ def reference_sglang_gpu(raw: np.ndarray) -> int:
 # --------------------------------------------------------------------------- the compiled CPU kernel
 
 
-_STREAMS = 4  # tiles read side by side by one thread
-
-
-@functools.lru_cache(maxsize=1)
-def _numba_tiles():  # type: ignore[no-untyped-def]
-    """The numba kernel: each tile's packed 64-bit value (compiled once, cached on disk).
-
-    Each thread takes ``_STREAMS`` neighbouring tiles at a time and walks them side by side:
-    four memory streams and four independent sums instead of one, which is what lets it read
-    from memory at its in-cache rate (one tile at a time it streamed at 0.4x of it: 2.4 against
-    5.9 GB/s on 2 threads). The tiles left over are summed one by one.
-    """
-    import numba
-
-    m32 = np.uint64(_M32)
-
-    @numba.njit(cache=True, inline="always")
-    def fmix(x):  # type: ignore[no-untyped-def]
-        x ^= x >> np.uint64(16)
-        x = (x * np.uint64(_FM1)) & m32
-        x ^= x >> np.uint64(13)
-        x = (x * np.uint64(_FM2)) & m32
-        return x ^ (x >> np.uint64(16))
-
-    @numba.njit(cache=True, inline="always")
-    def keyed(words, j):  # type: ignore[no-untyped-def]
-        """Word ``j`` mixed under both position keys."""
-        i = np.uint64(j) & m32
-        v = np.uint64(words[j])
-        r15 = ((i << np.uint64(15)) | (i >> np.uint64(17))) & m32
-        r13 = ((i << np.uint64(13)) | (i >> np.uint64(19))) & m32
-        p1 = ((i * np.uint64(_POS1) + np.uint64(_SEED1)) & m32) ^ r15
-        p2 = ((i * np.uint64(_POS2) + np.uint64(_SEED2)) & m32) ^ r13
-        return fmix(v ^ p1), fmix(v ^ p2)
-
-    @numba.njit(cache=True, inline="always")
-    def packed(h1, h2, nbytes):  # type: ignore[no-untyped-def]
-        return (fmix((h1 & m32) ^ nbytes) << np.uint64(32)) | fmix((h2 & m32) ^ nbytes)
-
-    @numba.njit(parallel=True, cache=True, fastmath=False)
-    def tiles(words, out):  # type: ignore[no-untyped-def]
-        n = words.shape[0]
-        nbytes = np.uint64((n * 4) & _M32)
-        groups = n // (TILE * _STREAMS)  # groups of whole tiles
-        for g in numba.prange(groups):
-            lo = g * _STREAMS * TILE
-            a0 = b0 = a1 = b1 = a2 = b2 = a3 = b3 = np.uint64(0)
-            for j in range(lo, lo + TILE):
-                x, y = keyed(words, j)
-                a0 += x
-                b0 += y
-                x, y = keyed(words, j + TILE)
-                a1 += x
-                b1 += y
-                x, y = keyed(words, j + 2 * TILE)
-                a2 += x
-                b2 += y
-                x, y = keyed(words, j + 3 * TILE)
-                a3 += x
-                b3 += y
-            t = g * _STREAMS
-            out[t] = packed(a0, b0, nbytes)
-            out[t + 1] = packed(a1, b1, nbytes)
-            out[t + 2] = packed(a2, b2, nbytes)
-            out[t + 3] = packed(a3, b3, nbytes)
-        for t in numba.prange(groups * _STREAMS, out.shape[0]):  # the tiles left over (the last may be short)
-            h1 = h2 = np.uint64(0)
-            for j in range(t * TILE, min(n, (t + 1) * TILE)):
-                x, y = keyed(words, j)
-                h1 += x
-                h2 += y
-            out[t] = packed(h1, h2, nbytes)
-
-    return tiles
-
-
 def _sglang_gpu_host(raw: np.ndarray) -> int:
     words = _words(np.ascontiguousarray(raw, dtype=np.uint8))
     n = words.shape[0]
@@ -189,10 +113,10 @@ def _sglang_gpu_host(raw: np.ndarray) -> int:
         return 0
     out = np.empty((n + TILE - 1) // TILE, dtype=np.uint64)
     from wcviz.digest._numba import _LOCK  # one parallel kernel at a time: numba's workqueue layer aborts otherwise
+    from wcviz.digest._tiles import tiles  # compiled once, then from numba's cache on disk
 
-    kernel = _numba_tiles()
     with _LOCK:
-        kernel(words, out)
+        tiles(words, out)
     return _final64(int(out.sum(dtype=np.uint64)))
 
 
@@ -217,6 +141,8 @@ def sglang_gpu_words(t: torch.Tensor, chunk_words: int = 1 << 22) -> int:
         padded = torch.zeros(n_bytes + 4 - n_bytes % 4, dtype=torch.uint8, device=raw.device)
         padded[:n_bytes] = raw
         raw = padded
+    elif raw.storage_offset() % 4 or raw.data_ptr() % 4:  # a slice's bytes keep its offset; int32 views need 4-aligned
+        raw = raw.clone()
     words = raw.view(torch.int32).to(torch.int64) & _M32
     n = words.numel()
     chunk_words = max(TILE, chunk_words // TILE * TILE)

@@ -44,7 +44,7 @@ if not hasattr(tl, "split"):  # the tree levels need tl.split (Triton 3.0); ``au
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["BLOCK", "NUM_WARPS", "interpreting", "lanes_digest", "lanes_digest_many", "self_check"]
+__all__ = ["BLOCK", "INTERPRETED_AT_IMPORT", "NUM_WARPS", "interpreting", "lanes_digest", "lanes_digest_many", "self_check"]
 
 BLOCK = 1024  # lanes one program folds: 8 KiB of input
 NUM_WARPS = 4
@@ -55,9 +55,14 @@ _ADDR, _NLANES, _SEED1, _SEED2, _LAST_LEVELS, _BLOCK_BASE, _CHUNK_BASE = range(7
 _ROWS = 7
 
 
+# Triton reads ``TRITON_INTERPRET`` when a kernel is defined, so what counts is its value at this import:
+# kernels defined without it are compiled for a GPU whatever the variable says later.
+INTERPRETED_AT_IMPORT = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
 def interpreting() -> bool:
-    """Whether the kernels run in Triton's CPU interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    """Whether the kernels run in Triton's CPU interpreter: ``TRITON_INTERPRET=1`` was set when they were defined."""
+    return INTERPRETED_AT_IMPORT
 
 
 @triton.jit

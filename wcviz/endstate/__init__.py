@@ -3,7 +3,7 @@
 As SGLang's weight checker, NeMo-RL's value check and slime's
 ``--check-weight-update-equal`` do it, for every engine rank: snapshot (digest what it
 holds), reset (overwrite every parameter with a known pattern), reload (run the weight
-update again), classify (reload against snapshot, per parameter). Three parts:
+update again), classify (reload against snapshot, per parameter). Five parts:
 
 - :mod:`~wcviz.endstate.poison` - what a rank runs for the reset (no pandas);
 - :mod:`~wcviz.endstate.classify` - frames in, verdicts out; proves the reset covered

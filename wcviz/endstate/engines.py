@@ -272,6 +272,11 @@ class EngineEndstate(EndStateReport):
         return f"{self.engine}'s own compare: FAILED: {said[:400]}{'...' if len(said) > 400 else ''}"
 
     @property
+    def ok(self) -> bool:
+        """The verdicts' ``ok``, and the engine's own compare (when run) passed: a pass beside "FAILED" is no pass."""
+        return super().ok and (self.compare is None or not self.compare.errors)
+
+    @property
     def summary(self) -> Any:
         line = super().summary
         if self.compare is not None:

@@ -1,8 +1,9 @@
 """The end-state check, phase by phase, over any fleet of ranks: one session, one report.
 
 :class:`EndStateSession` runs snapshot -> reset -> reload over a :class:`Fleet` - the
-small protocol every kind of fleet implements (HTTP agents, in-process callables, the
-simulated cluster, SGLang's own checker; :mod:`wcviz.endstate.fleets`) - and
+small protocol every kind of fleet implements (HTTP agents and in-process callables:
+:mod:`wcviz.endstate.fleets`; the simulated cluster; vLLM's and SGLang's own checkers:
+:mod:`wcviz.endstate.engines`) - and
 :meth:`EndStateSession.report` classifies what it collected
 (:func:`wcviz.endstate.classify`). :func:`run` is the whole check in order, and it
 keeps the check honest when ranks misbehave:

@@ -1,8 +1,12 @@
 """Simulated engines that answer as vLLM's and SGLang's own weight checkers do, over real HTTP on loopback.
 
-Each holds simulated engine ranks (:class:`wcviz.sim.engine.EngineShard`, laid out as
-the engine it fakes lays them out, loader faults injectable) and serves the engine's routes
-exactly as the named release answers them, read from its source:
+Each holds simulated engine ranks (:class:`wcviz.sim.engine.EngineShard`, loader faults
+injectable) and serves the engine's routes with the bodies, keys, status codes and errors
+the named release answers with, read from its source. What the ranks hold is the simulator's
+layout, which differs from the engine's in two places: the vocabulary is padded to a
+multiple of TP only (both engines pad to 64; pass ``vocab_padding=1`` to the expected
+shards), and vLLM's fused MoE experts keep the names of vLLM before 0.25 (``names="vllm<0.25"``;
+0.33 names them ``experts.routed_experts.w13_weight``). The routes:
 
 - :class:`SimVllm`: vLLM 0.33.0 with ``VLLM_SERVER_DEV_MODE=1``
   (``vllm/entrypoints/rl/online/api_router.py``: ``POST /weight_checker``, ``GET
@@ -115,7 +119,7 @@ class SimVllm(_Served):
 
     ``dp`` replicas of ``tp`` x ``pp`` ranks; ``managed``: the DP indices this API
     server's engine client reaches (default all; fewer is an external load balancer
-    with one API server per engine). ``dev_mode=False`` serves neither route (404), as
+    with one API server per engine). ``dev_mode=False`` serves neither route (404), only ``GET /version`` (which vLLM always serves), as
     vLLM without ``VLLM_SERVER_DEV_MODE=1``.
     """
 
@@ -185,8 +189,12 @@ class SimVllm(_Served):
         async def not_found(request: Request, exc: Exception) -> JSONResponse:  # FastAPI's default for a route it lacks
             return JSONResponse({"detail": "Not Found"}, status_code=404)
 
+        async def version(request: Request) -> JSONResponse:  # entrypoints/serve/instrumentator/basic.py: always served
+            return JSONResponse({"version": "0.33.0"})
+
         routes = [Route("/weight_checker", weight_checker, methods=["POST"]), Route("/get_world_size", world_size, methods=["GET"])]
-        return Starlette(routes=routes if self.dev_mode else [], exception_handlers={404: not_found})
+        always = [Route("/version", version, methods=["GET"])]
+        return Starlette(routes=always + (routes if self.dev_mode else []), exception_handlers={404: not_found})
 
 
 def _sglang_gpu(raw: np.ndarray) -> str:

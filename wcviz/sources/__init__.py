@@ -24,6 +24,7 @@ _EXPORTS = {
     "FetchResult": ("_fleet", "FetchResult"),
     "Targets": ("_fleet", "Targets"),
     "normalize_targets": ("_fleet", "normalize"),
+    "checked_url": ("_fleet", "checked_url"),
     "act": ("_http", "act"),
     "act_agents": ("_http", "act_agents"),
     "fetch": ("_http", "fetch"),
@@ -51,11 +52,13 @@ _EXPORTS = {
     "vllm_checksum_keys": ("_vllm_checker", "vllm_checksum_keys"),
     "vllm_weight_checker": ("_vllm_checker", "vllm_weight_checker"),
     "vllm_world_size": ("_vllm_checker", "vllm_world_size"),
+    "vllm_version": ("_vllm_checker", "vllm_version"),
 }
 
 if TYPE_CHECKING:
     from wcviz.sources._distributed import from_distributed, gather_frame
     from wcviz.sources._fleet import FAILED_COLUMNS, ActionResult, FetchResult, Targets
+    from wcviz.sources._fleet import checked_url
     from wcviz.sources._fleet import normalize as normalize_targets
     from wcviz.sources._http import act, act_agents, fetch, fetch_agents, fetch_infos
     from wcviz.sources._ray import from_ray_actors
@@ -64,7 +67,7 @@ if TYPE_CHECKING:
     from wcviz.sources._tensors import from_module, from_named_tensors, from_state_dict, named_tensor_rows, named_tensor_table
     from wcviz.sources._vllm import EngineEndpointError, from_vllm_http, from_vllm_llm, vllm_collective_rpc
     from wcviz.sources._wire import COLUMNS_MEDIA_TYPE
-    from wcviz.sources._vllm_checker import from_vllm_weight_checker, vllm_checksum_keys, vllm_weight_checker, vllm_world_size
+    from wcviz.sources._vllm_checker import from_vllm_weight_checker, vllm_checksum_keys, vllm_version, vllm_weight_checker, vllm_world_size
 
 __all__ = [
     "COLUMNS_MEDIA_TYPE",
@@ -94,6 +97,7 @@ __all__ = [
     "named_tensor_rows",
     "named_tensor_table",
     "normalize_targets",
+    "checked_url",
     "safetensors_rows",
     "read_header",
     "sglang_action",
@@ -102,6 +106,7 @@ __all__ = [
     "vllm_checksum_keys",
     "vllm_collective_rpc",
     "vllm_weight_checker",
+    "vllm_version",
     "vllm_world_size",
 ]
 

@@ -91,6 +91,7 @@ class NotDelivered(Unreachable, NotRun):
     """The connection was refused: the request never reached the rank."""
 
 
+MAX_IMPLIED_RANKS = 65_536  # an answer implying more ranks than this is not listed rank by rank (nor trusted)
 _BACKOFF_S = 0.1
 _BACKOFF_MAX_S = 2.0  # the pause before a retry doubles up to this: --retries 20 costs ~20 timeouts, not a day
 
@@ -131,8 +132,9 @@ def message_of(resp: httpx.Response) -> str:
 # --------------------------------------------------------------------------- targets
 
 
-def checked_url(url: Any) -> str:
-    """``url`` without a trailing slash, once it is an ``http(s)://host[:port]`` address; else a ValueError naming it."""
+def checked_url(url: Any, kind: str = "agent") -> str:
+    """``url`` without a trailing slash, once it is an ``http(s)://host[:port]`` address (``kind="engine"``: with an
+    optional path prefix, as behind an ingress); else a ValueError naming it (never echoing a password in it)."""
     import httpx
 
     text = str(url).strip().rstrip("/")
@@ -140,15 +142,17 @@ def checked_url(url: Any) -> str:
         parsed = httpx.URL(text)
     except (httpx.InvalidURL, TypeError, ValueError) as e:
         raise ValueError(f"{str(url)[:200]!r} is not a URL ({e})") from None
+    if parsed.userinfo:
+        raise ValueError(f"the {kind} URL for {parsed.host} holds a user name or password: pass a bearer token (token=...), not URL credentials")
     if parsed.scheme not in ("http", "https") or not parsed.host:
-        raise ValueError(f"{str(url)[:200]!r} is not an agent URL: expected http://host:port (or https://)")
+        raise ValueError(f"{text[:200]!r} is not an {kind} URL: expected http://host:port (or https://)")
     if parsed.port is not None and not 0 < parsed.port < 65536:
-        raise ValueError(f"{str(url)[:200]!r} is not an agent URL: port {parsed.port} is not 1..65535")
-    if parsed.userinfo:  # never echoed: it may hold a password
-        raise ValueError(f"the agent URL for {parsed.host} holds a user name or password: an agent takes a bearer token (token=...), not URL credentials")
-    extra = [what for what, there in (("a path", parsed.path not in ("", "/")), ("a query", parsed.query), ("a fragment", parsed.fragment)) if there]
+        raise ValueError(f"{text[:200]!r} is not an {kind} URL: port {parsed.port} is not 1..65535")
+    path = kind == "agent" and parsed.path not in ("", "/")
+    extra = [what for what, there in (("a path", path), ("a query", parsed.query), ("a fragment", parsed.fragment)) if there]
     if extra:
-        raise ValueError(f"{text[:200]!r} is not an agent URL: it has {' and '.join(extra)}; expected http://host:port (the agent serves /v1/... at its root)")
+        root = " (the agent serves /v1/... at its root)" if kind == "agent" else ""
+        raise ValueError(f"{text[:200]!r} is not an {kind} URL: it has {' and '.join(extra)}; expected http://host:port{root}")
     return text
 
 

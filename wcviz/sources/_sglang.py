@@ -16,8 +16,8 @@ Written against SGLang 0.5.23 (``sglang/srt/entrypoints/http_server.py`` ``check
 
 Only pipeline stage 0 answers: the ranks of later stages are listed here as not
 reported (``unreachable``), so a pipelined engine's result is never complete. A draft
-model's keys carry its role as a prefix (``draft.``, ``draft_step_0.``); each role's
-rows get that ``role`` and the bare name, so target and draft stay apart. Actions other
+model's keys carry its role as a prefix (``draft.``, ``draft_step_0.``), and its rows keep
+those keys as names (role ``engine``, the GPU's rank), so target and draft stay apart. Actions other
 than ``checksum`` answer only ``success``/``message``, and only for TP rank 0 of pipeline
 stage 0 of each DP scheduler: every rank runs the action, but only that rank has a socket
 to the tokenizer (``scheduler.py`` ``is_rank_zero``, ``ipc_channels.py``), so another
@@ -50,7 +50,7 @@ import httpx
 
 from wcviz._names import name_filter
 from wcviz.sources._engine_http import engine_request
-from wcviz.sources._fleet import ActionResult, Failed, FetchResult, assemble, rows_frame
+from wcviz.sources._fleet import MAX_IMPLIED_RANKS, ActionResult, Failed, FetchResult, assemble, rows_frame
 from wcviz.sources._vllm import EngineEndpointError
 
 __all__ = [
@@ -211,6 +211,10 @@ def _not_reported(base: str, infos: list[dict[str, Any]], answered: set[tuple[An
     seen: set[tuple[Any, ...]] = set()
     for info in infos:
         dp_size, tp_size, size = info["dp_size"], info["tp_size"], info["size"]
+        if info["pp_size"] * tp_size > MAX_IMPLIED_RANKS:  # a buggy or hostile answer: never enumerated
+            why = f"parallelism_info implies {info['pp_size']} x {tp_size} ranks, more than {MAX_IMPLIED_RANKS:,}: not SGLang's answer"
+            out.append({"url": base, "kind": "failed", "error": why})
+            continue
         attn_tp = tp_size // dp_size if dp_size > 1 and tp_size % dp_size == 0 else None  # attention DP splits the TP group
         for pp in range(info["pp_size"]):
             for tp in range(tp_size):

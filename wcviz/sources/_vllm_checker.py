@@ -41,10 +41,13 @@ import pandas as pd
 
 from wcviz._names import name_filter
 from wcviz.sources._engine_http import engine_request
-from wcviz.sources._fleet import Failed, FetchResult, assemble, rows_frame
+from wcviz.sources._fleet import MAX_IMPLIED_RANKS, Failed, FetchResult, assemble, rows_frame
 from wcviz.sources._vllm import EngineEndpointError
 
-__all__ = ["VLLM_CHECKER_ALGO", "VLLM_VERSION", "from_vllm_weight_checker", "vllm_checksum_keys", "vllm_weight_checker", "vllm_world_size"]
+__all__ = [
+    "VLLM_CHECKER_ALGO", "VLLM_VERSION", "from_vllm_weight_checker", "vllm_checksum_keys", "vllm_version", "vllm_weight_checker",
+    "vllm_world_size",
+]  # fmt: skip
 
 VLLM_VERSION = "0.33.0"  # the release these shapes were read from
 VLLM_CHECKER_ALGO = "vllm-sha256"
@@ -111,6 +114,19 @@ def vllm_world_size(
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise EngineEndpointError(f"get_world_size answered {str(data)[:200]}, not {{'world_size': a positive int}}")
     return n
+
+
+def vllm_version(
+    base_url: str, *, token: str | None = None, client: httpx.Client | None = None, transport: httpx.BaseTransport | None = None,
+    timeout_s: float = 30.0,
+) -> str | None:
+    """What vLLM's ``GET /version`` says (``"0.33.0"``), or None when the server does not answer it so. vLLM serves it
+    always, dev mode or not (``entrypoints/serve/instrumentator/basic.py``); SGLang 0.5.23 has no such route."""
+    try:
+        _, data = engine_request("GET", f"{str(base_url).rstrip('/')}/version", what="version", token=token, client=client, transport=transport, timeout_s=timeout_s)
+    except EngineEndpointError:
+        return None
+    return data["version"] if isinstance(data.get("version"), str) else None
 
 
 def vllm_checksum_keys(frame: pd.DataFrame) -> dict[str, str]:
@@ -204,6 +220,14 @@ def from_vllm_weight_checker(
     for d, p, c, t in ranks:
         ident = {"role": "engine", "rank": rank_of(d, p, c, t), "dp": d, "pp": p, "tp": t, "ep": None}
         label = f"{base} dp{d}:pp{p}:pcp{c}:tp{t}"
+        if c > 0:  # prefill context parallelism: every PCP rank holds its TP rank's shard, so pcp0's rows stand for it,
+            # and another PCP rank is checked against pcp0 here (the tables place ranks by dp, pp, tp: no pcp)
+            ref, mine = by_rank.get((d, p, 0, t), {}), by_rank[(d, p, c, t)]
+            differ = sorted(n for n in ref.keys() | mine.keys() if (keep is None or keep(n)) and ref.get(n) != mine.get(n))
+            if differ:
+                failed.append({"url": label, "kind": "failed", "error": f"pcp{c} holds other weights than pcp0 of the same TP rank "
+                               f"({len(differ)} parameter(s): {', '.join(differ[:3])})", **ident})  # fmt: skip
+            continue
         rows = [
             {"name": n, "digest": v, "algo": VLLM_CHECKER_ALGO, "phase": phase, **ident}
             for n, v in by_rank[(d, p, c, t)].items() if keep is None or keep(n)
@@ -212,7 +236,9 @@ def from_vllm_weight_checker(
             collected.append((label, ident, {"params": len(by_rank[(d, p, c, t)])}, rows_frame(rows, ident, label, "weight_checker")))
         except Failed as e:
             failed.append({"url": label, "kind": "failed", "error": str(e), **ident})
-    if sizes is not None and world is not None:
+    if world is not None and world > MAX_IMPLIED_RANKS:  # a buggy or hostile answer: never enumerated
+        failed.append({"url": base, "kind": "failed", "error": f"/get_world_size says {world} ranks, more than {MAX_IMPLIED_RANKS:,}: not an engine's answer"})
+    elif sizes is not None and world is not None:
         pp, pcp, tp = sizes
         replicas, rest = divmod(world, pp * pcp * tp)
         if rest:

@@ -51,6 +51,12 @@ def _checked(cost: pd.DataFrame) -> pd.DataFrame:
     if missing:
         raise TableError(f"not a cost frame: no {', '.join(repr(c) for c in missing)} column (see wcviz.bench.checksum_cost)")
     out = cost.reset_index(drop=True).copy()
+    secs, size = pd.to_numeric(out["seconds"], errors="coerce"), pd.to_numeric(out["nbytes"], errors="coerce")
+    bad = ~((secs > 0) & (secs < math.inf)) | ~(size >= 0)  # a measurement of no time is no rate: an infinite bar
+    if bool(bad.any()):
+        r = out[bad].iloc[0]
+        raise TableError(f"cost row {int(bad.to_numpy().nonzero()[0][0])} ({r['model']}, {r['backend']}): seconds must be a finite "
+                         f"number > 0 and nbytes >= 0, got seconds={r['seconds']}, nbytes={r['nbytes']}")  # fmt: skip
     if "gbps" not in out:
         out["gbps"] = out["nbytes"] / out["seconds"] / 1e9
     if "device" not in out:
