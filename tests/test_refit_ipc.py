@@ -1370,3 +1370,26 @@ def test_a_staging_buffer_is_backed_when_created_or_refused_naming_dev_shm(monke
     with pytest.raises(RefitError, match=r"cannot reserve a 1,048,576-byte refit staging buffer .*/dev/shm has .* free"):
         _shm.OwnedBuffer(1 << 20, torch.device("cpu"))
     assert set(shm_leftovers()) == before  # the segment it could not back is gone
+
+
+def test_a_drop_buffer_fault_past_the_last_buffer_is_refused_before_anything_is_sent() -> None:
+    """drop_buffer with an index this send never reaches dropped nothing: the refit passed, as if the fault had been tried."""
+    import threading
+
+    wire: list[tuple[str, dict[str, Any]]] = []
+    served: list[Any] = []
+    past = FaultPlan([Fault("drop_buffer", "wire", buffer=99)])
+    with IPCSender(verify="enforce", faults=past, timeout_s=10, wire_log=wire) as sender:
+        receiver = IPCReceiver(sender.address, META, lambda batch: None, verify="enforce", timeout_s=10)
+        engine = threading.Thread(target=lambda: served.append(receiver.serve()))
+        engine.start()
+        try:
+            with pytest.raises(ValueError, match=r"^fault drop_buffer names buffer 99, but this send packs \d+ buffer\(s\) \(0\.\.\d+\): it would drop nothing"):
+                sender.send(MODEL)
+            sender.faults = FaultPlan()
+            assert sender.send(SUBSET, partial=True).ok  # the receiver is still at the start of its stream
+        finally:
+            engine.join(20)
+            receiver.close()
+    ops = [m["op"] for d, m in wire if d == "send"]
+    assert "batch" not in ops[: ops.index("prepare", 1)]  # nothing of the refused send went out

@@ -93,7 +93,7 @@ from wcviz.refit._packing import ALIGN, Meta, NamedTensors, fingerprint, metadat
 from wcviz.refit._packing import metadata as declared_metadata
 from wcviz.refit._packing import named_tensors as tensor_pairs
 from wcviz.refit.config import DEFAULT_BUFFER_BYTES
-from wcviz.refit.faults import FaultPlan, Swapper, check_broadcast, check_names, strike
+from wcviz.refit.faults import FaultPlan, Swapper, check_broadcast, check_buffers, check_names, strike
 from wcviz.refit.verify import RefitDigestMismatch, RefitError, RefitProtocolError, RefitResult, RefitTimeout, compare, warn
 
 __all__ = [
@@ -305,9 +305,9 @@ class BroadcastSender(GroupMember):
             emit(swap(name, t))
         emit(swap.flush())
         tensors = dict(outgoing)
-        for index, bucket in enumerate(
-            plan([(n, u.numel() * u.element_size()) for n, u in outgoing], self.buffer_bytes)
-        ):
+        buckets = plan([(n, u.numel() * u.element_size()) for n, u in outgoing], self.buffer_bytes)
+        check_buffers(faults, len(buckets))  # before any bucket goes out: the engines get the abort notice
+        for index, bucket in enumerate(buckets):
             buf = self._staging(bucket.used, bucket.own)
             for name, offset in zip(bucket.names, bucket.offsets):
                 pack(buf, offset, tensors[name])

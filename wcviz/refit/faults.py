@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
-    "POINTS", "KINDS", "Fault", "FaultPlan", "Swapper", "as_like", "check_broadcast", "check_names", "pack_shifted",
+    "POINTS", "KINDS", "Fault", "FaultPlan", "Swapper", "as_like", "check_broadcast", "check_buffers", "check_names", "pack_shifted",
     "shifted", "strike", "swap_named",
 ]  # fmt: skip
 
@@ -153,6 +153,14 @@ def check_names(plan: FaultPlan, sent: Iterable[str]) -> None:
                 near = difflib.get_close_matches(p, names, n=3, cutoff=0.6)
                 hint = f" (nearest: {', '.join(near)})" if near else ""
                 raise ValueError(f"fault {f.kind} at {f.point} names {p!r}, which is not among the {len(names)} parameters sent{hint}")
+
+
+def check_buffers(plan: FaultPlan, count: int) -> None:
+    """A ValueError naming a ``drop_buffer`` fault whose buffer index is not among the ``count`` buffers of this send:
+    it would drop nothing (a passing refit), as a fault on a name never sent would."""
+    for f in plan.faults:
+        if f.kind == "drop_buffer" and f.buffer is not None and not 0 <= f.buffer < count:
+            raise ValueError(f"fault drop_buffer names buffer {f.buffer}, but this send packs {count} buffer(s) (0..{count - 1}): it would drop nothing")
 
 
 def as_like(src: torch.Tensor, like: torch.Tensor, what: str = "") -> torch.Tensor:

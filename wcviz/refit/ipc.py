@@ -63,7 +63,7 @@ from wcviz.refit._packing import named_tensors as tensor_pairs
 from wcviz.refit._shm import OwnedBuffer
 from wcviz.refit._transport import Transport
 from wcviz.refit.config import DEFAULT_BUFFER_BYTES, DEFAULT_TIMEOUT_S, check_timeout
-from wcviz.refit.faults import FaultPlan, check_names, pack_shifted, swap_named
+from wcviz.refit.faults import FaultPlan, check_buffers, check_names, pack_shifted, swap_named
 from wcviz.refit.verify import RefitProtocolError, RefitResult, expected_names, verify_digests
 
 if TYPE_CHECKING:
@@ -280,6 +280,7 @@ class IPCSender(Transport):
 
         tensors = dict(wire)
         buckets = plan([(n, nbytes(t)) for n, t in wire], self.buffer_bytes)
+        check_buffers(self.faults, len(buckets))  # before any batch goes out
         device = self.device or (wire[0][1].device if wire else torch.device("cpu"))
         staging_size = max((b.used for b in buckets if not b.own), default=0)
         staging: list[OwnedBuffer] = []
