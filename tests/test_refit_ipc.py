@@ -913,7 +913,8 @@ def test_an_impossible_expected_list_is_refused_before_anything_is_sent() -> Non
 
 
 def test_a_fault_on_a_parameter_not_sent_is_refused_before_anything_is_sent() -> None:
-    """A misspelt fault (or one on a parameter this refit leaves out) was a silent no-op: the refit passed."""
+    """A misspelt fault (or one on a parameter this refit leaves out, or on a buffer past the last) was a silent
+    no-op: the refit passed."""
     import threading
 
     wire: list[tuple[str, dict[str, Any]]] = []
@@ -929,13 +930,16 @@ def test_a_fault_on_a_parameter_not_sent_is_refused_before_anything_is_sent() ->
             sender.faults = FaultPlan([Fault("drop_param", "sender_after_digest", (NORM,))])
             with pytest.raises(ValueError, match=f"names '{NORM}', which is not among the {len(SUBSET)} parameters sent"):
                 sender.send(SUBSET, partial=True)  # a real name, left out of this refit
+            sender.faults = FaultPlan([Fault("drop_buffer", "wire", buffer=99)])  # a buffer this send never reaches
+            with pytest.raises(ValueError, match=r"^fault drop_buffer names buffer 99, but this send packs \d+ buffer\(s\) \(0\.\.\d+\): it would drop nothing"):
+                sender.send(MODEL)
             sender.faults = FaultPlan()
             assert sender.send(SUBSET, partial=True).ok  # the receiver is still at the start of its stream
         finally:
             engine.join(20)
             receiver.close()
     ops = [m["op"] for d, m in wire if d == "send"]
-    assert ops[:3] == ["prepare"] * 3 and served and set(served[0]) == set(SUBSET)
+    assert ops[:4] == ["prepare"] * 4 and served and set(served[0]) == set(SUBSET)  # no batch of a refused send went out
 
 
 def test_one_element_strided_views_travel_like_their_copies(worker: Worker) -> None:
@@ -1371,25 +1375,3 @@ def test_a_staging_buffer_is_backed_when_created_or_refused_naming_dev_shm(monke
         _shm.OwnedBuffer(1 << 20, torch.device("cpu"))
     assert set(shm_leftovers()) == before  # the segment it could not back is gone
 
-
-def test_a_drop_buffer_fault_past_the_last_buffer_is_refused_before_anything_is_sent() -> None:
-    """drop_buffer with an index this send never reaches dropped nothing: the refit passed, as if the fault had been tried."""
-    import threading
-
-    wire: list[tuple[str, dict[str, Any]]] = []
-    served: list[Any] = []
-    past = FaultPlan([Fault("drop_buffer", "wire", buffer=99)])
-    with IPCSender(verify="enforce", faults=past, timeout_s=10, wire_log=wire) as sender:
-        receiver = IPCReceiver(sender.address, META, lambda batch: None, verify="enforce", timeout_s=10)
-        engine = threading.Thread(target=lambda: served.append(receiver.serve()))
-        engine.start()
-        try:
-            with pytest.raises(ValueError, match=r"^fault drop_buffer names buffer 99, but this send packs \d+ buffer\(s\) \(0\.\.\d+\): it would drop nothing"):
-                sender.send(MODEL)
-            sender.faults = FaultPlan()
-            assert sender.send(SUBSET, partial=True).ok  # the receiver is still at the start of its stream
-        finally:
-            engine.join(20)
-            receiver.close()
-    ops = [m["op"] for d, m in wire if d == "send"]
-    assert "batch" not in ops[: ops.index("prepare", 1)]  # nothing of the refused send went out

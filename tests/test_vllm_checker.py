@@ -347,3 +347,17 @@ def test_verify_refuses_a_bad_url_and_out_before_digesting(checkpoint: Path, cap
     assert said in capsys.readouterr().err
     assert main(["verify", "http://127.0.0.1:9", "--checkpoint", str(checkpoint), "--tp", "2", "--out", "/nonexistent/x.csv"]) == 2
     assert "/nonexistent" in capsys.readouterr().err
+
+
+def test_pcp_ranks_whose_experts_differ_are_said_not_checked_never_passed() -> None:
+    """vLLM 0.33's expert-parallel group spans DP x PCP x TP (distributed/parallel_state.py): PCP ranks then hold
+    other experts, which wcviz does not place. A failed row says so; the result is never complete."""
+    from test_vllm import serve
+
+    h = "ab" * 32
+    sums = {f"dp0:pp0:pcp0:tp{t}:{n}": h for t in (0, 1) for n in ("model.norm.weight", "model.layers.0.mlp.experts.w13_weight")}
+    spoiled = "dp0:pp0:pcp1:tp1:model.layers.0.mlp.experts.w13_weight"
+    with serve(_pcp_app(sums, spoil=spoiled)) as url:
+        res = from_vllm_weight_checker(url)
+    (row,) = res.failed.to_dict(orient="records")
+    assert "pcp1's experts differ from pcp0's" in row["error"] and "not checked" in row["error"] and not res.complete

@@ -88,10 +88,10 @@ class DashboardWords:
     notes: list[str]
     reset_pattern: str | int | None
 
-    @property
-    def mutation_block(self) -> str | None:
-        """Why Snapshot, Reset and Reload are off (DashboardState's answer)."""
-        raise NotImplementedError
+    if TYPE_CHECKING:  # DashboardState's property: declared for the type checker only, never shadowing it
+
+        @property
+        def mutation_block(self) -> str | None: ...
 
     @property
     def targets(self) -> tuple[str, ...]:
