@@ -335,8 +335,9 @@ _LAYOUT_SCRIPT = """
 import json, sys
 import numpy as np
 from wcviz.digest import _numba
-B, G, C = _numba.BLOCK, _numba.GROUP, _numba._CHUNK
-sizes = sorted({0, 1, 3, 5, 2 * G - 1, 4 * G - 1, 4 * G, 4 * G + 1, B - 1, B + 1, G * B - 1, G * B, G * B + 1,
+B, G, C, S = _numba.BLOCK, _numba.GROUP, _numba._CHUNK, _numba._SUB
+sizes = sorted({0, 1, 3, 5, 2 * G - 1, 4 * G - 1, 4 * G, 4 * G + 1, G * S - 1, G * S + 1, 2 * G * S + 1, 4 * G * S - 3,
+                B - 1, B + 1, G * B - 1, G * B, G * B + 1,
                 2 * G * B + 3, C - 1, C + 1, 2 * C + 5})
 out = []
 for i, n in enumerate(sizes):
@@ -349,12 +350,14 @@ at = _numba.lanes_digest_at(np.array([a.ctypes.data for a in arrays], dtype=np.u
                             np.array([c[1] for c in out], dtype=np.uint64), arrays)
 for case, row in zip(out, at):
     case[2].append([int(row[0]), int(row[1])])
-print(json.dumps({"group": G, "cache": _numba._CACHE, "cases": out}))
+print(json.dumps({"group": G, "sub": _numba._SUB, "cache": _numba._CACHE, "cases": out}))
 """
 
 
-def test_every_block_layout_gives_the_reference_digest(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """The layout not chosen for this host (4 blocks on AVX2, 16 on AVX-512) is bit-identical too."""
+@pytest.mark.parametrize("sub", ["", "8", "4096"])
+def test_every_block_layout_gives_the_reference_digest(tmp_path, sub: str) -> None:  # type: ignore[no-untyped-def]
+    """The layout not chosen for this host (4 blocks on AVX2, 16 on AVX-512) is bit-identical too, with
+    its blocks read side by side whole, in the host's sub-blocks, or in the narrowest ones."""
     import json
     import os
     import subprocess
@@ -362,10 +365,13 @@ def test_every_block_layout_gives_the_reference_digest(tmp_path) -> None:  # typ
 
     other = 4 if G == 16 else 16
     env = {**os.environ, "WCVIZ_NUMBA_GROUP": str(other), "NUMBA_CACHE_DIR": str(tmp_path)}
+    if sub:
+        env["WCVIZ_NUMBA_SUB"] = sub
     done = subprocess.run([sys.executable, "-c", _LAYOUT_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     answer = json.loads(done.stdout)
     assert answer["group"] == other and answer["cache"] is False  # an override never uses the cache on disk
+    assert answer["sub"] == (int(sub) if sub else min(4096, 4096 // other))
     assert not any(tmp_path.iterdir())
     assert len(answer["cases"]) >= 15
     for i, (n, seed, words) in enumerate(answer["cases"]):
@@ -374,13 +380,17 @@ def test_every_block_layout_gives_the_reference_digest(tmp_path) -> None:  # typ
         assert words == [want, want, want], f"GROUP={other}, {n} lanes"  # alone, serial, and in one batch of all
 
 
-@pytest.mark.parametrize("bad", ["5", "sixteen", "-4"])
-def test_a_bad_block_layout_override_is_named(bad: str) -> None:
+@pytest.mark.parametrize(
+    "name, bad",
+    [("WCVIZ_NUMBA_GROUP", "5"), ("WCVIZ_NUMBA_GROUP", "sixteen"), ("WCVIZ_NUMBA_GROUP", "-4"),
+     ("WCVIZ_NUMBA_SUB", "4"), ("WCVIZ_NUMBA_SUB", "96"), ("WCVIZ_NUMBA_SUB", "8192"), ("WCVIZ_NUMBA_SUB", "all")],
+)
+def test_a_bad_block_layout_override_is_named(name: str, bad: str) -> None:
     import os
     import subprocess
     import sys
 
-    env = {**os.environ, "WCVIZ_NUMBA_GROUP": bad}
+    env = {**os.environ, name: bad}
     done = subprocess.run([sys.executable, "-c", "import wcviz.digest._numba"], env=env, capture_output=True, text=True, timeout=120)
-    assert done.returncode != 0 and f"WCVIZ_NUMBA_GROUP={bad!r}" in done.stderr, done.stderr[-2000:]
+    assert done.returncode != 0 and f"{name}={bad!r}" in done.stderr, done.stderr[-2000:]
 

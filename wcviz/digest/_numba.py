@@ -26,6 +26,11 @@ AVX2 code generation 64% -> 78%); and a tweak joins the first xor-shift of its
 mix as one three-way xor (``_mix_tweaked``), which also lets the two channels
 of a leaf share its shift (+2 points).
 
+Where the rows are (measured on a 2-core AVX-512 Zen 5, BENCHMARKS.md): a block's
+rows are read ``_SUB`` lanes at a time (rows within 32 KiB, not a block apart: rows
+4 KiB-aligned apart share one L1 set), with the next sub-group prefetched; from
+memory 52-60% -> 76-77% of the bound on one thread, 53-59% -> 68-74% on two.
+
 - A chunk of width ``w >= 4 * GROUP`` lanes is cut into ``GROUP`` blocks of
   ``min(BLOCK, w / GROUP)`` lanes each group; groups wholly past the data are
   all-zero subtrees (a known root), a group straddling the end is copied into a
@@ -65,7 +70,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 from wcviz.digest import _spec
-from wcviz.digest._simd import WIDE, cat, load, load_cols, splat, split, store
+from wcviz.digest._simd import WIDE, cat, load, load_cols, prefetch, splat, split, store
 
 __all__ = ["BLOCK", "GROUP", "floor_rate", "lanes_digest", "lanes_digest_at", "lanes_digest_many", "set_threads"]
 
@@ -78,9 +83,17 @@ _GROUP_ASKED = os.environ.get("WCVIZ_NUMBA_GROUP", "")
 GROUP = (int(_GROUP_ASKED) if _GROUP_ASKED.strip().isdigit() else -1) if _GROUP_ASKED else (16 if WIDE else 4)
 if GROUP not in (2, 4, 8, 16, 32):
     raise ValueError(f"WCVIZ_NUMBA_GROUP={_GROUP_ASKED!r}: blocks folded side by side must be 2, 4, 8, 16 or 32")
-_CACHE = not _GROUP_ASKED
+# Lanes of each block read side by side: the GROUP rows of a sub-group lie within 32 KiB, so they spread
+# over the L1 cache's sets (see ``_fold_group``). ``WCVIZ_NUMBA_SUB`` overrides it, for the tests and for
+# benchmarks that time the layouts (``WCVIZ_NUMBA_SUB=4096``: the rows a whole block apart, as before).
+_SUB_ASKED = os.environ.get("WCVIZ_NUMBA_SUB", "")
+_SUB = (int(_SUB_ASKED) if _SUB_ASKED.strip().isdigit() else -1) if _SUB_ASKED else min(BLOCK, 4096 // GROUP)
+if not (8 <= _SUB <= BLOCK and _SUB & (_SUB - 1) == 0):  # (8 or more: the scratch then holds both folds)
+    raise ValueError(f"WCVIZ_NUMBA_SUB={_SUB_ASKED!r}: lanes read side by side must be a power of two from 8 to {BLOCK}")
+_CACHE = not _GROUP_ASKED and not _SUB_ASKED
 _W = 2 * GROUP  # one tree position for both channels: [channel 1 x GROUP, channel 2 x GROUP]
 _W2, _W4 = 2 * _W, 4 * _W  # (vector widths must be plain constants)
+_PF = GROUP // 2  # cache lines of the next sub-group to prefetch per step: all of it by the end of this one
 _SMALL = 4 * GROUP  # chunks narrower than this are folded by scalar code
 _CHUNK = _spec.CHUNK
 _PER_CHUNK = _CHUNK // BLOCK  # blocks in a full chunk
@@ -187,25 +200,32 @@ def _both_channels(x):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=_CACHE)
-def _fold_group(src, lo, b, s):  # type: ignore[no-untyped-def]
-    """Roots of the ``GROUP`` blocks of ``b`` lanes at ``src[lo:]`` (``b`` a power of two >= 4).
+def _leaf_levels(src, lo, b, s, ahead):  # type: ignore[no-untyped-def]
+    """The two lowest levels of the ``GROUP`` blocks of ``b`` lanes at ``src[lo:]`` (``b`` a power of two
+    >= 4): their ``b // 4`` nodes, each ``Vec(_W)``, into ``s`` (position-major).
 
-    Leaves ``[roots channel 1 x GROUP, roots channel 2 x GROUP]`` in ``s[:_W]``;
-    ``s`` is scratch of at least ``b // 4 * _W`` words.
-
-    Each level pair is one software-pipelined loop: the first half of step ``i``
-    (independent work for every block and channel) is written beside the second
-    half of step ``i - 1`` (a quarter as many chains, each waiting on its multiplies), so the
-    scheduler always holds work of both kinds.
+    One software-pipelined loop: the first half of step ``i`` (independent work for every block and
+    channel) is written beside the second half of step ``i - 1`` (a quarter as many chains, each waiting
+    on its multiplies), so the scheduler always holds work of both kinds.
     """
     n = b // 4
-    y = _step_a(_both_channels(load_cols(src, lo, b, 0, GROUP)))  # the first two levels, from the input rows
+    y = _step_a(_both_channels(load_cols(src, lo, b, 0, GROUP)))
     for i in range(1, n):
+        if ahead >= 0:
+            for k in range(_PF):
+                prefetch(src, ahead + ((i - 1) * _PF + k) * 8)
         y_next = _step_a(_both_channels(load_cols(src, lo, b, 4 * i, GROUP)))
         store(s, (i - 1) * _W, _step_b(y))
         y = y_next
     store(s, (n - 1) * _W, _step_b(y))
-    while n >= 4:  # two levels at a time, in place: position j - 1 is written after 4j - 4 .. 4j - 1 were read
+
+
+@njit(cache=_CACHE)
+def _upper_levels(s, n):  # type: ignore[no-untyped-def]
+    """Fold ``n`` nodes per block (``s[: n * _W]``, position-major; ``n`` a power of two) to the blocks'
+    roots in ``s[:_W]``: two levels at a time, in place (node ``j - 1`` is written after ``4j - 4 ..
+    4j - 1`` were read), pipelined as ``_leaf_levels``."""
+    while n >= 4:
         n //= 4
         y = _step_a(load(s, 0, _W4))
         for j in range(1, n):
@@ -217,6 +237,40 @@ def _fold_group(src, lo, b, s):  # type: ignore[no-untyped-def]
         lt, rt, m = _tweaks()
         left, right = split(_mix(load(s, 0, _W2) ^ cat(lt, rt)))
         store(s, 0, _mix(left + right * m))
+
+
+@njit(cache=_CACHE)
+def _fold_group(src, lo, b, s):  # type: ignore[no-untyped-def]
+    """Roots of the ``GROUP`` blocks of ``b`` lanes at ``src[lo:]`` (``b`` a power of two >= 4).
+
+    Leaves ``[roots channel 1 x GROUP, roots channel 2 x GROUP]`` in ``s[:_W]``;
+    ``s`` is scratch of at least ``b // 4 * _W`` words.
+
+    Blocks wider than ``_SUB`` lanes are not read side by side whole: their rows would lie a power of
+    two of 4 KiB or more apart, all in one set of the L1 cache, and with more rows than the set has
+    ways, each cache line is evicted between its two steps (a 2-core Zen 5: leaf steps at 66% of the
+    bound in cache, 84% with the rows 2 KiB apart). So the group is folded ``GROUP`` consecutive
+    sub-blocks of ``_SUB`` lanes at a time (rows ``_SUB`` lanes apart, 32 KiB in all), while the next
+    sub-group is prefetched (its rows are not streams a hardware prefetcher follows: without it, from
+    memory, slower than before); each block's sub-block roots, put in position-major order, are then
+    folded as the upper levels are.
+    """
+    if b <= _SUB:
+        _leaf_levels(src, lo, b, s, -1)
+        _upper_levels(s, b // 4)
+        return
+    m = b // _SUB  # sub-blocks per block
+    roots = s[_SUB // 4 * _W : _SUB // 4 * _W + m * _W]
+    for q0 in range(0, GROUP * m, GROUP):  # sub-blocks q0 .. q0 + GROUP - 1 of the group
+        nxt = lo + (q0 + GROUP) * _SUB
+        _leaf_levels(src, lo + q0 * _SUB, _SUB, s, nxt if nxt + GROUP * _SUB <= src.shape[0] else -1)
+        _upper_levels(s, _SUB // 4)
+        for e in range(GROUP):
+            at = (q0 + e) % m * _W + (q0 + e) // m  # node (q0 + e) % m of block (q0 + e) // m
+            roots[at] = s[e]
+            roots[at + GROUP] = s[GROUP + e]
+    _upper_levels(roots, m)
+    s[:_W] = roots[:_W]
 
 
 # ---------------------------------------------------------------- plan and chain

@@ -267,3 +267,21 @@ def load_cols(typingctx, arr, base, stride, i, g):  # type: ignore[no-untyped-de
 
     return vt(arr, base, stride, i, g), codegen
 
+
+
+@intrinsic
+def prefetch(typingctx, arr, i):  # type: ignore[no-untyped-def]
+    """A hint to bring the cache line holding ``arr[i]`` into the caches (no fault, no effect on values)."""
+    if not (_is_u64_array(arr) and isinstance(i, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
+        index = context.cast(builder, args[1], sig.args[1], types.intp)
+        data = context.make_array(sig.args[0])(context, builder, args[0]).data
+        ptr = builder.bitcast(builder.gep(data, [index]), ir.IntType(8).as_pointer())
+        fnty = ir.FunctionType(ir.VoidType(), [ptr.type, _I32, _I32, _I32])
+        fn = builder.module.declare_intrinsic("llvm.prefetch", [ptr.type], fnty)
+        builder.call(fn, [ptr, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
+        return context.get_dummy_value()
+
+    return types.none(arr, i), codegen
