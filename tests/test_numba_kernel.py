@@ -259,6 +259,28 @@ def test_simd_shapes() -> None:
     assert out[16:32].tolist() == want
 
 
+@njit
+def _cols(a, base, stride, i, out8, out16, out32):  # type: ignore[no-untyped-def]
+    _simd.prefetch(a, base)  # a hint only: changes nothing
+    _simd.prefetch(a, a.shape[0] + 4096)  # past the end: never faults
+    _simd.store(out8, 0, _simd.load_cols(a, base, stride, i, 8))
+    _simd.store(out16, 0, _simd.load_cols(a, base, stride, i, 16))
+    _simd.store(out32, 0, _simd.load_cols(a, base, stride, i, 32))
+
+
+@pytest.mark.parametrize("base, stride, i", [(0, 4, 0), (3, 37, 5), (1, 256, 8)])
+def test_load_cols_staged_transpose(base: int, stride: int, i: int) -> None:
+    """8 rows or more take the three-stage transpose: element ``p * g + k`` is row ``k``, lane ``p``."""
+    a = np.random.default_rng(stride).integers(0, 2**63, base + 32 * stride + i + 4, dtype=np.uint64)
+    kept = a.copy()
+    outs = {g: np.zeros(4 * g, dtype=np.uint64) for g in (8, 16, 32)}
+    _cols(a, base, stride, i, outs[8], outs[16], outs[32])
+    for g, out in outs.items():
+        want = [a[base + k * stride + i + p] for p in range(4) for k in range(g)]
+        assert out.tolist() == want, g
+    np.testing.assert_array_equal(a, kept)
+
+
 def test_mix_on_vectors_matches_scalar() -> None:
     @njit
     def both(a):  # type: ignore[no-untyped-def]

@@ -29,7 +29,7 @@ of a leaf share its shift (+2 points).
 Where the rows are (measured on a 2-core AVX-512 Zen 5, BENCHMARKS.md): a block's
 rows are read ``_SUB`` lanes at a time (rows within 32 KiB, not a block apart: rows
 4 KiB-aligned apart share one L1 set), with the next sub-group prefetched; from
-memory 52-60% -> 76-77% of the bound on one thread, 53-59% -> 68-74% on two.
+memory 52-60% -> 70-77% of the bound on one thread, 53-59% -> 68-76% on two.
 
 - A chunk of width ``w >= 4 * GROUP`` lanes is cut into ``GROUP`` blocks of
   ``min(BLOCK, w / GROUP)`` lanes each group; groups wholly past the data are
