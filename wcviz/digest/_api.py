@@ -307,13 +307,14 @@ def _numba_many(tensors: Sequence[tuple[str, torch.Tensor]], sizes: Sequence[int
     packed: list[int] = []  # copied into one lane array first (a strided view, a quantized tensor, a lazy conj/neg)
     for i, (_, t) in enumerate(tensors):
         nbytes = sizes[i]
-        key = (t.dtype, t.shape)
+        dtype = t.dtype
+        key = (dtype, t.shape)
         row = known.get(key)
         if row is None:
             row = known[key] = len(seed_rows)
-            seed_rows.append(_spec.seeds(str(t.dtype), tuple(t.shape), nbytes))
+            seed_rows.append(_spec.seeds(str(dtype), tuple(t.shape), nbytes))
         seed_of.append(row)
-        if t.is_contiguous() and not (t.is_quantized or t.is_conj() or t.is_neg()):
+        if t.is_contiguous() and not (t.is_quantized or t.is_neg() or (dtype.is_complex and t.is_conj())):  # (only complex tensors conjugate)
             direct.append(i)
             address = t.data_ptr()
             if address == 0 and nbytes:
@@ -324,6 +325,8 @@ def _numba_many(tensors: Sequence[tuple[str, torch.Tensor]], sizes: Sequence[int
             packed.append(i)
     seeds = np.array(seed_rows, dtype=np.uint64).reshape(-1, 2)[np.array(seed_of, dtype=np.intp)].reshape(n, 2)
     out = np.empty((n, 2), dtype=np.uint64)
+    if len(direct) == n:  # the usual case: every tensor read where it lives
+        return _numba.lanes_digest_at(np.array(addresses, dtype=np.uint64), np.array(lanes_of, dtype=np.int64), seeds, tensors)
     if direct:
         counts = np.array(lanes_of, dtype=np.int64)
         out[direct] = _numba.lanes_digest_at(np.array(addresses, dtype=np.uint64), counts, seeds[direct], tensors)
@@ -415,6 +418,14 @@ def digest_timed(
     on small host tensors) is timed as a whole, until its one sync, and that
     total is shared out in proportion to bytes.
     """
+    names, digests, seconds = _digests(named_tensors, algo, backend, progress)
+    return dict(zip(names, zip(digests, seconds)))
+
+
+def _digests(
+    named_tensors: NamedTensors, algo: str, backend: str, progress: bool | None
+) -> tuple[list[str], list[Digest], list[float]]:
+    """Names, digests and seconds, in input order: what :func:`digest_timed` and :func:`digest_many` share."""
     from tqdm.auto import tqdm
 
     _check_algo(algo, backend)
@@ -428,7 +439,9 @@ def digest_timed(
     plain = (torch.Tensor, torch.nn.Parameter)  # anything else (DTensor, FakeTensor, ...) is checked by name
     devices: list[Any] = []
     kinds: dict[Any, str] = {}  # device -> its type ("cpu", "cuda", ...): ``device.type`` makes a new str each time
-    for name, t in items:  # every input is checked before any work is done
+    singles: list[int] = []  # digested one by one (sha256, a large numba tensor) or queued per device (torch)
+    batches: dict[tuple[str, Any], list[int]] = {}  # indices into items: one call per (backend, device)
+    for i, (name, t) in enumerate(items):  # every input is checked before any work is done
         if type(t) not in plain or t.layout is not strided or t.is_nested:
             _lanes.check_digestible(t, name)  # raises, naming what is wrong
         device = t.device
@@ -438,49 +451,67 @@ def digest_timed(
         if kind == "meta":
             _lanes.check_digestible(t, name)
         devices.append(device)
-        sizes.append(t.numel() * t.element_size())
+        nbytes = t.nbytes
+        sizes.append(nbytes)
         if algo != _spec.ALGO:
             chosen.append("host")
+            singles.append(i)
             continue
         how = resolved.get(kind)
         if how is None:
             how = resolved[kind] = resolve_backend(backend, kind, name)
         chosen.append(how)
-    if algo in _pool.HASHLIB_ALGOS:  # one SHA-256 stream per tensor: tensors side by side, on threads
-        return _hashed(items, sizes, algo, progress)
-    out: dict[str, tuple[Digest, float]] = {}
-    queued: dict[Any, list[tuple[str, torch.Tensor, int]]] = {}
-    started: dict[Any, float] = {}
-    batches: dict[tuple[str, Any], list[int]] = {}  # indices into items
-    shown = range(len(items)) if progress is False else tqdm(range(len(items)), desc="digest", unit="tensor",
-                                                             disable=not progress if progress is not None else None)
-    for i in shown:
-        name, t = items[i]
-        how, nbytes = chosen[i], sizes[i]
         if how == "triton" or (how == "numba" and nbytes <= SMALL_BYTES):
-            batches.setdefault((how, devices[i]), []).append(i)
-        elif how == "torch":
-            started.setdefault(devices[i], time.perf_counter())
-            words = tensor_digest(t, backend="torch", name=name)
-            queued.setdefault(devices[i], []).append((name, words, nbytes))
+            group = batches.get((how, device))
+            if group is None:
+                group = batches[(how, device)] = []
+            group.append(i)
         else:
+            singles.append(i)
+    names = [name for name, _ in items]
+    if algo in _pool.HASHLIB_ALGOS:  # one SHA-256 stream per tensor: tensors side by side, on threads
+        timed = _hashed(items, sizes, algo, progress)
+        return names, [d for d, _ in timed], [s for _, s in timed]
+    n = len(items)
+    out: list[Any] = [None] * n  # each tensor's Digest, by its index
+    secs = [0.0] * n
+    queued: dict[Any, list[tuple[int, torch.Tensor]]] = {}
+    started: dict[Any, float] = {}
+    bar = None if progress is False else tqdm(total=len(items), desc="digest", unit="tensor",
+                                              disable=not progress if progress is not None else None)
+    try:
+        for i in singles:
+            name, t = items[i]
+            how = chosen[i]
+            if how == "torch":
+                started.setdefault(devices[i], time.perf_counter())
+                queued.setdefault(devices[i], []).append((i, tensor_digest(t, backend="torch", name=name)))
+            else:
+                t0 = time.perf_counter()
+                out[i] = _sha256_of(t, name, algo) if algo != _spec.ALGO else _hex_words(tensor_digest(t, backend=how, name=name).tolist())
+                secs[i] = time.perf_counter() - t0
+            if bar is not None:
+                bar.update()
+        for (how, _), group in batches.items():
             t0 = time.perf_counter()
-            d = _sha256_of(t, name, algo) if algo != _spec.ALGO else _hex_words(tensor_digest(t, backend=how, name=name).tolist())
-            out[name] = (d, time.perf_counter() - t0)
-    for (how, _), group in batches.items():
-        t0 = time.perf_counter()
-        words = _words_many([items[i] for i in group], how, [sizes[i] for i in group])
-        hexes = _spec.hex_rows(words) if how == "numba" else _spec.hex_pairs(_to_host(words))  # the one sync for this batch
-        _share(out, [(items[i][0], h, sizes[i]) for i, h in zip(group, hexes)], time.perf_counter() - t0)
-    for device, rows in queued.items():
-        import torch
+            words = _words_many([items[i] for i in group], how, [sizes[i] for i in group])
+            hexes = _spec.hex_rows(words) if how == "numba" else _spec.hex_pairs(_to_host(words))  # the one sync for this batch
+            if len(group) == n:  # the usual case: one batch of everything, in input order
+                out, secs = Digest.many(hexes, _spec.ALGO), _shares(sizes, time.perf_counter() - t0)
+            else:
+                _share(out, secs, group, hexes, sizes, time.perf_counter() - t0)
+            if bar is not None:
+                bar.update(len(group))
+        for device, rows in queued.items():
+            hexes = _spec.hex_pairs(_to_host(torch.stack([w for _, w in rows])))  # the one sync for this device
+            _share(out, secs, [i for i, _ in rows], hexes, sizes, time.perf_counter() - started[device])
+    finally:
+        if bar is not None:
+            bar.close()
+    return names, out, secs
 
-        hexes = _spec.hex_pairs(_to_host(torch.stack([w for _, w, _ in rows])))  # the one sync for this device
-        _share(out, [(name, h, b) for (name, _, b), h in zip(rows, hexes)], time.perf_counter() - started[device])
-    return {name: out[name] for name, _ in items}
 
-
-def _hashed(items: list[tuple[str, torch.Tensor]], sizes: list[int], algo: str, progress: bool | None) -> dict[str, tuple[Digest, float]]:
+def _hashed(items: list[tuple[str, torch.Tensor]], sizes: list[int], algo: str, progress: bool | None) -> list[tuple[Digest, float]]:
     """Each tensor's SHA-256 digest on its own thread (``_pool``), each timed on its own."""
     from tqdm.auto import tqdm
 
@@ -491,15 +522,20 @@ def _hashed(items: list[tuple[str, torch.Tensor]], sizes: list[int], algo: str, 
     finally:
         if bar is not None:
             bar.close()
-    return {name: r for (name, _), r in zip(items, timed)}
+    return list(timed)
 
 
-def _share(out: dict[str, tuple[Digest, float]], rows: list[tuple[str, str, int]], total: float) -> None:
-    """Record batched digests (hex), giving each a share of the batch's seconds by its bytes."""
-    per_byte = total / (sum(b for _, _, b in rows) or 1)
-    algo = _spec.ALGO
-    for (name, _, b), d in zip(rows, Digest.many([h for _, h, _ in rows], algo)):
-        out[name] = (d, per_byte * b)
+def _shares(sizes: list[int], total: float) -> list[float]:
+    """``total`` seconds shared out in proportion to ``sizes`` (bytes)."""
+    per_byte = total / (sum(sizes) or 1)
+    return [per_byte * b for b in sizes]
+
+
+def _share(out: list[Any], secs: list[float], group: list[int], hexes: list[str], sizes: list[int], total: float) -> None:
+    """Record the batched digests (hex) of tensors ``group`` (indices), each with its share of the batch's seconds."""
+    for i, d, s in zip(group, Digest.many(hexes, _spec.ALGO), _shares([sizes[i] for i in group], total)):
+        out[i] = d
+        secs[i] = s
 
 
 def _to_host(words: torch.Tensor) -> list[list[int]]:
@@ -555,8 +591,8 @@ def digest_many(
     Accepts a mapping or an iterable of ``(name, tensor)``; duplicate names are
     an error that names them. Returns ``{name: Digest}`` in input order.
     """
-    timed = digest_timed(named_tensors, algo=algo, backend=backend, progress=progress)
-    return {name: d for name, (d, _) in timed.items()}
+    names, digests, _ = _digests(named_tensors, algo, backend, progress)
+    return dict(zip(names, digests))
 
 
 def _algos(side: Mapping[str, str]) -> set[str]:
