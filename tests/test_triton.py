@@ -157,17 +157,17 @@ def test_auto_falls_back_to_torch_when_the_kernels_fail_their_self_check(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A miscompiled or crashing kernel on a real GPU must not be what ``auto`` digests with."""
-    from wcviz.digest import _api
+    from wcviz.digest import _backends
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     for failure in (lambda device: False, lambda device: 1 / 0):
-        monkeypatch.setattr(_api, "_trusted", {})
+        monkeypatch.setattr(_backends, "_trusted", {})
         monkeypatch.setattr(_triton, "self_check", failure)
         with caplog.at_level("ERROR", logger="wcviz.digest"):
             assert resolve_backend("auto", "cuda") == "torch"
         assert "failed their self-check on CUDA" in caplog.text
         caplog.clear()
-    monkeypatch.setattr(_api, "_trusted", {})
+    monkeypatch.setattr(_backends, "_trusted", {})
     monkeypatch.setattr(_triton, "self_check", lambda device: True)
     assert resolve_backend("auto", "cuda") == "triton"
     assert resolve_backend("triton", "cuda") == "triton"  # asked for by name: no self-check in the way
