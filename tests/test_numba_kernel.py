@@ -19,7 +19,7 @@ from numba import njit
 
 from wcviz.digest import _numba, _simd, _spec, _torch, digest_hex, set_digest_threads
 
-B, G, C = _numba.BLOCK, _numba.GROUP, _spec.CHUNK
+B, G, C, SUB = _numba.BLOCK, _numba.GROUP, _spec.CHUNK, _numba._SUB
 SMALL = 4 * G  # narrowest chunk the vector kernel folds
 SIZES = sorted(
     {0, 1, 2, 3, 4, 5}
@@ -28,6 +28,7 @@ SIZES = sorted(
     | {B + d for d in (-1, 0, 1)}
     | {G * B + d for d in (-1, 0, 1)}  # one group of full blocks / several groups
     | {2 * G * B + 3, 5 * G * B - 7}
+    | {G * SUB * m + d for m in (1, 2, 4, 8) for d in (-3, 1)}  # blocks of 1 to 16 sub-blocks
     | {C - 1, C, C + 1, 3 * C + 5}
 )
 
