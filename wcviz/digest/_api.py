@@ -338,15 +338,14 @@ def _digests(
     _check_algo(algo, backend)
     items = as_pairs(named_tensors)
     sizes: list[int] = []
-    chosen: list[str] = []
     resolved: dict[str, str] = {}  # per device type: the backend choice is the same for every tensor there
     import torch
 
     strided = torch.strided
     plain = (torch.Tensor, torch.nn.Parameter)  # anything else (DTensor, FakeTensor, ...) is checked by name
-    devices: list[Any] = []
     kinds: dict[Any, str] = {}  # device -> its type ("cpu", "cuda", ...): ``device.type`` makes a new str each time
-    singles: list[int] = []  # digested one by one (sha256, a large numba tensor) or queued per device (torch)
+    singles: list[tuple[int, Any, str]] = []  # (index, device, backend): digested one by one, or queued per device (torch)
+    fold = algo == _spec.ALGO  # the tree fold (batched); the other algorithms go one tensor at a time
     batches: dict[tuple[str, Any], list[int]] = {}  # indices into items: one call per (backend, device)
     for i, (name, t) in enumerate(items):  # every input is checked before any work is done
         if type(t) not in plain or t.layout is not strided or t.is_nested:
@@ -357,24 +356,21 @@ def _digests(
             kind = kinds[device] = device.type
         if kind == "meta":
             _lanes.check_digestible(t, name)
-        devices.append(device)
         nbytes = t.nbytes
         sizes.append(nbytes)
-        if algo != _spec.ALGO:
-            chosen.append("host")
-            singles.append(i)
+        if not fold:
+            singles.append((i, device, "host"))
             continue
         how = resolved.get(kind)
         if how is None:
             how = resolved[kind] = resolve_backend(backend, kind, name)
-        chosen.append(how)
         if how == "triton" or (how == "numba" and nbytes <= SMALL_BYTES):
             group = batches.get((how, device))
             if group is None:
                 group = batches[(how, device)] = []
             group.append(i)
         else:
-            singles.append(i)
+            singles.append((i, device, how))
     names = [name for name, _ in items]
     if algo in _pool.HASHLIB_ALGOS:  # one SHA-256 stream per tensor: tensors side by side, on threads
         timed = _hashed(items, sizes, algo, progress)
@@ -387,12 +383,11 @@ def _digests(
     bar = None if progress is False else tqdm(total=len(items), desc="digest", unit="tensor",
                                               disable=not progress if progress is not None else None)
     try:
-        for i in singles:
+        for i, device, how in singles:
             name, t = items[i]
-            how = chosen[i]
             if how == "torch":
-                started.setdefault(devices[i], time.perf_counter())
-                queued.setdefault(devices[i], []).append((i, tensor_digest(t, backend="torch", name=name)))
+                started.setdefault(device, time.perf_counter())
+                queued.setdefault(device, []).append((i, tensor_digest(t, backend="torch", name=name)))
             else:
                 t0 = time.perf_counter()
                 out[i] = _sha256_of(t, name, algo) if algo != _spec.ALGO else _hex_words(tensor_digest(t, backend=how, name=name).tolist())
