@@ -416,7 +416,7 @@ def test_a_reload_that_is_no_refit_carries_no_old_transport_check_and_keeps_its_
             return "the first refit's transport check"
 
         def save_checkpoint(self) -> None:
-            pass
+            """A fake cluster keeps no checkpoint: the reload under test never reads one."""
 
     monkeypatch.setattr(sim_fleet, "act", lambda urls, action, **kw: ActionResult(action, tuple(urls), answers={u: {} for u in urls}))
     cluster = FakeCluster()

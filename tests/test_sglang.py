@@ -191,23 +191,28 @@ def test_admin_key_is_sent_as_a_bearer_token_and_a_refusal_is_clear() -> None:
         assert _raw(url, {"action": "checksum"}).json() == {"error": "Unauthorized"}
 
 
+def _fetched_from_checker_answering(body: dict[str, Any]) -> tuple[Any, str]:
+    """``from_sglang`` of a server whose ``/weights_checker`` answers ``body`` to every request, and its URL."""
+    from wcviz._serving import serve_in_thread, stop_server
+
+    async def answer(request: Request) -> JSONResponse:
+        return JSONResponse(body)
+
+    server, thread, url = serve_in_thread(Starlette(routes=[Route("/weights_checker", answer, methods=["POST"])]), "127.0.0.1", 0, name="checker")
+    try:
+        return from_sglang(url), url
+    finally:
+        stop_server(server, thread, "checker")
+
+
 def test_an_altered_answer_is_refused_rank_by_rank() -> None:
     sim = SimSglang(TINY, tp=2)
     with sim as real:
         good = _raw(real, {"action": "checksum"}).json()
 
-    async def tampered(request: Request) -> JSONResponse:
-        body = {**good, "ranks": [dict(r) for r in good["ranks"]]}
-        body["ranks"][1]["checksums"] = {**body["ranks"][1]["checksums"], "model.norm.weight": "0" * 16}
-        return JSONResponse(body)
-
-    from wcviz._serving import serve_in_thread, stop_server
-
-    server, thread, url = serve_in_thread(Starlette(routes=[Route("/weights_checker", tampered, methods=["POST"])]), "127.0.0.1", 0, name="tampered")
-    try:
-        res = from_sglang(url)
-    finally:
-        stop_server(server, thread, "tampered")
+    body = {**good, "ranks": [dict(r) for r in good["ranks"]]}
+    body["ranks"][1]["checksums"] = {**body["ranks"][1]["checksums"], "model.norm.weight": "0" * 16}
+    res, url = _fetched_from_checker_answering(body)
     assert res.answered == 1 and not res.complete
     errors = " ".join(res.failed["error"])
     assert "per_gpu_checksum is not the sha256 of its checksums" in errors
@@ -480,24 +485,11 @@ def test_attention_dp_lists_each_rank_once_per_group_and_reads_as_one_rank_each(
 def test_an_answer_implying_absurd_sizes_is_one_failed_row_not_a_million() -> None:
     """tp_size 1000 x pp_size 500 in parallelism_info made the client list 499,999 'not reported' ranks (seconds of
     CPU, and memory growing with the claim): an answer beyond MAX_IMPLIED_RANKS is refused as a whole."""
-    from starlette.applications import Starlette
-    from starlette.responses import JSONResponse
-    from starlette.routing import Route
-
-    from wcviz._serving import serve_in_thread, stop_server
     from wcviz.sources._sglang import _overall
 
     sums = {"w": "0123456789abcdef"}
     info = {"role": "target", "tp_rank": 0, "tp_size": 1000, "dp_rank": 0, "dp_size": 1, "pp_rank": 0, "pp_size": 500, "rank": 0, "size": 1}
     body = {"success": True, "message": "Success.", "ranks": [{"checksums": sums, "per_gpu_checksum": _overall(sums), "parallelism_info": [info]}]}
-
-    async def answer(request: Request) -> JSONResponse:
-        return JSONResponse(body)
-
-    server, thread, url = serve_in_thread(Starlette(routes=[Route("/weights_checker", answer, methods=["POST"])]), "127.0.0.1", 0, name="absurd")
-    try:
-        res = from_sglang(url)
-    finally:
-        stop_server(server, thread, "absurd")
+    res, _ = _fetched_from_checker_answering(body)
     assert len(res.failed) == 1 and not res.complete
     assert "more than 65,536" in res.failed["error"].iloc[0]
