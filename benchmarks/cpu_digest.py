@@ -33,7 +33,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from wcviz.digest import _numba, _simd, _spec, digest_hex, digest_many
+from wcviz.digest import _floor, _numba, _simd, _spec, digest_hex, digest_many
 
 WORK_PER_LANE = 6.6  # floor mixes per digested lane (see the docstring)
 
@@ -89,7 +89,7 @@ def compute_bound(tensors: dict[int, torch.Tensor], cores: int, rounds: int) -> 
         floor = 0.0
         fast = dict.fromkeys(sizes, 0.0)
         for _ in range(rounds):
-            floor = max(floor, _numba.floor_rate(threads, seconds=0.1) * 8 / 1e9)
+            floor = max(floor, _floor.floor_rate(threads, seconds=0.1) * 8 / 1e9)
             _numba.set_threads(threads)
             for mib, x in tensors.items():
                 # best of 3 back to back, as floor_rate takes the best of its runs: the first call after

@@ -35,6 +35,7 @@ import numpy as np
 from numba import njit
 
 from wcviz.digest import _numba as K
+from wcviz.digest._floor import floor_rate
 from wcviz.digest._simd import load, load_cols, store
 
 G, W, W4 = K.GROUP, K._W, K._W4
@@ -119,7 +120,7 @@ def main() -> None:
           "| upper steps, pipelined | leaf steps, one by one | upper steps, one by one |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in range(args.rounds):
-        bound = K.floor_rate(1) / 6.6  # lanes per second
+        bound = floor_rate(1) / 6.6  # lanes per second
         whole = _lanes_per_second(_whole, src, b, G * b, s) / bound
         parts = [
             0.75 * _lanes_per_second(f, src, rows, lanes, s) / bound

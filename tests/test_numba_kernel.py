@@ -17,7 +17,7 @@ import torch
 import numba
 from numba import njit
 
-from wcviz.digest import _numba, _simd, _spec, _torch, digest_hex, set_digest_threads
+from wcviz.digest import _floor, _numba, _simd, _spec, _torch, digest_hex, set_digest_threads
 
 B, G, C, SUB = _numba.BLOCK, _numba.GROUP, _spec.CHUNK, _numba._SUB
 SMALL = 4 * G  # narrowest chunk the vector kernel folds
@@ -91,28 +91,34 @@ def test_one_and_two_threads_agree() -> None:
 def test_the_kernels_release_the_gil() -> None:
     # a digest on one thread must leave the host's other Python threads running (and lets the
     # refit digest beside its copy)
-    for kernel in (_numba._digest_serial, _numba._digest_parallel, _numba._digest_many, _numba._digest_one_at, _numba._digest_at):
+    from wcviz.digest import _threads, _tiles
+
+    for kernel in (_numba._digest_serial, _numba._groups_claimed, _numba._many_claimed, _numba._digest_one_at,
+                   _numba._at_claimed, _floor._floor_claimed, _tiles._tiles_claimed, _threads.wait):
         assert kernel.targetoptions.get("nogil") is True, kernel.py_func.__name__
 
 
-def test_a_thread_on_one_numba_thread_digests_without_the_pool_or_its_lock() -> None:
+def test_a_thread_on_one_numba_thread_digests_without_waking_a_helper(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from wcviz.digest import _threads
+
     lanes = _random_lanes(4 * _numba._SERIAL_BELOW + 3, 11)
     before = numba.get_num_threads()
-    want = _numba.lanes_digest(lanes, (5, 6))  # the parallel kernel, on this thread's pool
+    asked: list[int] = []
+    ask = _threads._HELPERS.ask
+    monkeypatch.setattr(_threads._HELPERS, "ask", lambda k, *rest: (asked.append(k), ask(k, *rest)))
+    want = _numba.lanes_digest(lanes, (5, 6))  # this thread's count: helpers woken when it is above 1
+    assert asked == ([before - 1] if before > 1 else [])
     got: list[tuple[int, int]] = []
 
     def one_thread() -> None:
         set_digest_threads(1)  # numba's thread count belongs to the calling thread
         got.append(_numba.lanes_digest(lanes, (5, 6)))
 
-    with _numba._LOCK:  # held here: a digest that wanted the pool's lock would wait for it
-        t = threading.Thread(target=one_thread, daemon=True)
-        t.start()
-        t.join(60)
-        done = not t.is_alive()
+    t = threading.Thread(target=one_thread, daemon=True)
+    t.start()
     t.join(60)
-    assert done, "the one-thread digest waited for the parallel kernel's lock"
     assert got == [want] and want == _reference(lanes, (5, 6))
+    assert asked == ([before - 1] if before > 1 else [])  # the one-thread digest woke nobody
     assert numba.get_num_threads() == before  # this thread's count is untouched
 
 
@@ -198,7 +204,7 @@ def test_public_path_small_tensors_match_torch() -> None:
 
 def test_floor_rate_is_positive_and_finite() -> None:
     for threads in (1, None):
-        rate = _numba.floor_rate(threads, seconds=0.02)
+        rate = _floor.floor_rate(threads, seconds=0.02)
         assert math.isfinite(rate) and rate > 0
 
 
@@ -395,7 +401,7 @@ def test_every_block_layout_gives_the_reference_digest(tmp_path, sub: str) -> No
     answer = json.loads(done.stdout)
     assert answer["group"] == other and answer["cache"] is False  # an override never uses the cache on disk
     assert answer["sub"] == (int(sub) if sub else min(4096, 4096 // other))
-    assert not any(tmp_path.iterdir())
+    assert not [f.name for f in tmp_path.rglob("*") if "_numba" in f.name]  # (the layout-free _threads may cache)
     assert len(answer["cases"]) >= 15
     for i, (n, seed, words) in enumerate(answer["cases"]):
         lanes = np.random.default_rng(i).integers(0, 2**64 - 1, n, dtype=np.uint64, endpoint=True)

@@ -68,9 +68,9 @@ __all__ = [
 def set_digest_threads(n: int) -> None:
     """Threads the numba CPU kernel may use for digests called from *this* thread.
 
-    numba counts threads per calling thread; 1 runs the serial kernel, outside the
-    thread pool and its lock (what the refit's digest beside the copy does). numba is
-    imported here, not with this package. Nothing to set without numba.
+    numba counts threads per calling thread; 1 runs the serial kernel and wakes no
+    helper thread (what the refit's digest beside the copy does). numba is imported
+    here, not with this package. Nothing to set without numba.
     """
     try:
         from wcviz.digest import _numba

@@ -112,11 +112,9 @@ def _sglang_gpu_host(raw: np.ndarray) -> int:
     if n == 0:
         return 0
     out = np.empty((n + TILE - 1) // TILE, dtype=np.uint64)
-    from wcviz.digest._numba import _LOCK  # one parallel kernel at a time: numba's workqueue layer aborts otherwise
     from wcviz.digest._tiles import tiles  # compiled once, then from numba's cache on disk
 
-    with _LOCK:
-        tiles(words, out)
+    tiles(words, out)
     return _final64(int(out.sum(dtype=np.uint64)))
 
 

@@ -36,14 +36,17 @@ memory 52-60% -> 70-77% of the bound on one thread, 53-59% -> 68-76% on two.
   all-zero subtrees (a known root), a group straddling the end is copied into a
   zero-padded buffer. The block roots (at most ``CHUNK / BLOCK`` per chunk) are
   folded with scalar code, as is a chunk narrower than ``4 * GROUP`` lanes.
-- ``lanes_digest`` spreads the groups of all chunks of one tensor over the
+- The threads are ``_threads``': the calling thread and helpers that sleep when idle
+  (no numba parallel loop: its OpenMP threads spin between calls), each claiming
+  work items (a group, a tensor) from an atomic counter inside the kernel.
+  ``lanes_digest`` spreads the groups of all chunks of one tensor over the
   threads; only the chain across chunks is sequential (one fold of block roots
   and a mix per chunk). ``lanes_digest_many`` spreads whole tensors over the
   threads and digests each one serially with the same code. ``lanes_digest_at``
   (tensors read where they live) does the same for its small tensors and spreads
   the groups of all its large ones over the threads in one pass, then chains each
   one's chunks: one call for a checkpoint's worth of tensors, large or small.
-- ``floor_rate`` measures the compute floor the kernel is judged against: one
+- ``_floor.floor_rate`` measures the compute floor the kernel is judged against: one
   mix per lane of an in-cache array, the same vector arithmetic.
 
 After a change, check that the vector code is still what runs: with an empty
@@ -61,18 +64,17 @@ and on ``_simd.Vec`` values alike.
 from __future__ import annotations
 
 import os
-import threading
-import time
 
 import numba
 import numpy as np
-from numba import njit, prange, types
+from numba import njit, types
 from numba.extending import intrinsic
 
 from wcviz.digest import _spec
+from wcviz.digest._threads import claim, finished, spread, threads_here, wait
 from wcviz.digest._simd import WIDE, cat, load, load_cols, prefetch, splat, split, store
 
-__all__ = ["BLOCK", "GROUP", "floor_rate", "lanes_digest", "lanes_digest_at", "lanes_digest_many", "set_threads"]
+__all__ = ["BLOCK", "GROUP", "lanes_digest", "lanes_digest_at", "lanes_digest_many", "set_threads"]
 
 BLOCK = 4096  # lanes per block (a subtree), the most a group uses: 4 blocks = 128 KiB of input
 # Blocks folded side by side, one per vector element: 4 where a vector register holds 4 lanes and there are
@@ -98,7 +100,7 @@ _SMALL = 4 * GROUP  # chunks narrower than this are folded by scalar code
 _CHUNK = _spec.CHUNK
 _PER_CHUNK = _CHUNK // BLOCK  # blocks in a full chunk
 _GROUPS_PER_CHUNK = _PER_CHUNK // GROUP
-_SERIAL_BELOW = 1 << 15  # lanes: smaller tensors are not worth waking the thread pool
+_SERIAL_BELOW = 1 << 15  # lanes: smaller tensors are not worth waking a helper thread
 
 _U = np.uint64
 _S30, _S27, _S31 = _U(30), _U(27), _U(31)
@@ -371,23 +373,26 @@ def _digest_serial(lanes, s1, s2):  # type: ignore[no-untyped-def]
     return _chain(lanes, s1, s2, full, last, groups, r1, r2)
 
 
-@njit(parallel=True, nogil=True, cache=_CACHE)
-def _digest_parallel(lanes, s1, s2):  # type: ignore[no-untyped-def]
-    """The digest words of one tensor, its groups spread over the threads."""
-    full, last, b_last, groups, total = _plan(lanes.shape[0])
-    r1 = np.empty(total * GROUP, dtype=np.uint64)
-    r2 = np.empty(total * GROUP, dtype=np.uint64)
-    for t in prange(total):
-        s = np.empty(BLOCK // 4 * _W, dtype=np.uint64)
+@njit(nogil=True, cache=_CACHE)
+def _groups_claimed(lanes, full, b_last, total, r1, r2, ctr):  # type: ignore[no-untyped-def]
+    """Block roots of the groups of one tensor, claimed one at a time (``_threads``) until none is left."""
+    s = np.empty(BLOCK // 4 * _W, dtype=np.uint64)
+    t = claim(ctr, 0)
+    while t < total:
         _group(lanes, t, full, b_last, s, r1, r2)
-    return _chain(lanes, s1, s2, full, last, groups, r1, r2)
+        finished(ctr, 0)
+        t = claim(ctr, 0)
 
 
-@njit(parallel=True, nogil=True, cache=_CACHE)
-def _digest_many(lanes, starts, counts, seeds, out):  # type: ignore[no-untyped-def]
-    for i in prange(starts.shape[0]):
+@njit(nogil=True, cache=_CACHE)
+def _many_claimed(lanes, starts, counts, seeds, out, ctr):  # type: ignore[no-untyped-def]
+    """Packed tensors, claimed one at a time, each digested serially."""
+    i = claim(ctr, 0)
+    while i < starts.shape[0]:
         a = starts[i]
         out[i, 0], out[i, 1] = _digest_serial(lanes[a : a + counts[i]], seeds[i, 0], seeds[i, 1])
+        finished(ctr, 0)
+        i = claim(ctr, 0)
 
 
 @intrinsic
@@ -414,28 +419,20 @@ def _digest_one_at(address, n, s1, s2):  # type: ignore[no-untyped-def]
     return _digest_serial(lanes, s1, s2)
 
 
-@njit(parallel=True, nogil=True, cache=_CACHE)
-def _digest_at(addresses, nbytes, seeds, out):  # type: ignore[no-untyped-def]
-    """Large tensors read in place (``_SERIAL_BELOW`` lanes or more, as ``lanes_digest`` draws the line):
-    the groups of all of them spread over the threads in one pass, as if one tensor (no thread start and
-    no idle tail per tensor), then each one's chain of chunks. The rest (small, or to be copied: an odd
-    tail, an unaligned start) one tensor per thread at a time, each serially. Each pass captures few
-    arrays: with chunks of one iteration, every captured array costs each chunk its reference counting."""
+@njit(nogil=True, cache=_CACHE)
+def _at_plan(addresses, nbytes):  # type: ignore[no-untyped-def]
+    """How ``_at_claimed`` splits tensors read in place: the rest (small, or to be copied: an odd tail, an
+    unaligned start; each one item, digested serially), the large ones (``_SERIAL_BELOW`` lanes or more, as
+    ``lanes_digest`` draws the line), their plans (full chunks, lanes in the last, its block size, its
+    groups), where each one's groups start among all of theirs, and each group's owner."""
     n = addresses.shape[0]
     large = np.zeros(n, dtype=np.bool_)
     for i in range(n):
         large[i] = nbytes[i] % 8 == 0 and addresses[i] % 8 == 0 and nbytes[i] // 8 >= _SERIAL_BELOW
     big = np.flatnonzero(large)
-    if big.shape[0] == 0:  # only small tensors (the common batch): no index to go through
-        for i in prange(n):
-            out[i, 0], out[i, 1] = _digest_one_at(addresses[i], nbytes[i], seeds[i, 0], seeds[i, 1])
-        return
     rest = np.flatnonzero(~large)
-    for k in prange(rest.shape[0]):
-        i = rest[k]
-        out[i, 0], out[i, 1] = _digest_one_at(addresses[i], nbytes[i], seeds[i, 0], seeds[i, 1])
     m = big.shape[0]
-    plans = np.zeros((m, 4), dtype=np.int64)  # full chunks, lanes in the last, its block size, its groups
+    plans = np.zeros((m, 4), dtype=np.int64)
     first = np.zeros(m + 1, dtype=np.int64)  # large tensor j's groups are [first[j], first[j + 1]) of all
     for j in range(m):
         full, last, b_last, groups, total = _plan(nbytes[big[j]] // 8)
@@ -444,69 +441,65 @@ def _digest_at(addresses, nbytes, seeds, out):  # type: ignore[no-untyped-def]
     owner = np.empty(first[m], dtype=np.int64)
     for j in range(m):
         owner[first[j] : first[j + 1]] = j
-    r1 = np.empty(first[m] * GROUP, dtype=np.uint64)
-    r2 = np.empty(first[m] * GROUP, dtype=np.uint64)
-    for g in prange(first[m]):
-        j = owner[g]
-        lanes = numba.carray(_void_ptr(addresses[big[j]]), (nbytes[big[j]] // 8,), np.uint64)
-        s = np.empty((BLOCK if plans[j, 0] else plans[j, 2]) // 4 * _W, dtype=np.uint64)  # as _digest_serial's
-        lo, hi = first[j] * GROUP, first[j + 1] * GROUP
-        _group(lanes, g - first[j], plans[j, 0], plans[j, 2], s, r1[lo:hi], r2[lo:hi])
-    for j in prange(m):
+    return rest, big, plans, first, owner
+
+
+@njit(nogil=True, cache=_CACHE)
+def _at_claimed(addresses, nbytes, seeds, out, rest, big, plans, first, owner, r1, r2, ctr):  # type: ignore[no-untyped-def]
+    """Phase 0: the rest, one tensor per item, then the groups of all large tensors as if one tensor (no
+    thread start and no idle tail per tensor); phase 1, once all of phase 0 is done: each large tensor's
+    chain of chunks."""
+    k, m = rest.shape[0], big.shape[0]
+    items = k + first[m]
+    g = claim(ctr, 0)
+    while g < items:
+        if g < k:
+            i = rest[g]
+            out[i, 0], out[i, 1] = _digest_one_at(addresses[i], nbytes[i], seeds[i, 0], seeds[i, 1])
+        else:
+            j = owner[g - k]
+            lanes = numba.carray(_void_ptr(addresses[big[j]]), (nbytes[big[j]] // 8,), np.uint64)
+            s = np.empty((BLOCK if plans[j, 0] else plans[j, 2]) // 4 * _W, dtype=np.uint64)  # as _digest_serial's
+            lo, hi = first[j] * GROUP, first[j + 1] * GROUP
+            _group(lanes, g - k - first[j], plans[j, 0], plans[j, 2], s, r1[lo:hi], r2[lo:hi])
+        finished(ctr, 0)
+        g = claim(ctr, 0)
+    if m == 0 or not wait(ctr, 0, items):
+        return
+    j = claim(ctr, 1)
+    while j < m:
         i = big[j]
         lanes = numba.carray(_void_ptr(addresses[i]), (nbytes[i] // 8,), np.uint64)
         lo, hi = first[j] * GROUP, first[j + 1] * GROUP
-        full, last, groups = plans[j, 0], plans[j, 1], plans[j, 3]
-        out[i, 0], out[i, 1] = _chain(lanes, seeds[i, 0], seeds[i, 1], full, last, groups, r1[lo:hi], r2[lo:hi])
-
-
-# ---------------------------------------------------------------- compute floor
-
-_FLOOR_WIDTH = 32  # lanes per vector expression: 8 AVX2 registers in flight
-
-
-@njit(cache=_CACHE)
-def _floor_pass(a, reps):  # type: ignore[no-untyped-def]
-    """``reps`` times over ``a``: one ``_mix`` per lane, xor-accumulated (no carried multiply)."""
-    acc = splat(_Z, _FLOOR_WIDTH)
-    for _ in range(reps):
-        for i in range(0, a.shape[0], _FLOOR_WIDTH):
-            acc = acc ^ _mix(load(a, i, _FLOOR_WIDTH))
-    out = np.empty(_FLOOR_WIDTH, dtype=np.uint64)
-    store(out, 0, acc)
-    x = _Z
-    for v in out:
-        x ^= v
-    return x
-
-
-@njit(parallel=True, nogil=True, cache=_CACHE)
-def _floor(a, reps, tasks):  # type: ignore[no-untyped-def]
-    out = np.empty(tasks, dtype=np.uint64)
-    for t in prange(tasks):
-        out[t] = _floor_pass(a, reps)
-    return out
+        out[i, 0], out[i, 1] = _chain(lanes, seeds[i, 0], seeds[i, 1], plans[j, 0], plans[j, 1], plans[j, 3], r1[lo:hi], r2[lo:hi])
+        finished(ctr, 1)
+        j = claim(ctr, 1)
 
 
 # ---------------------------------------------------------------- Python API
 
-# One parallel kernel at a time per process: numba's fallback "workqueue" threading
-# layer aborts the process when two threads launch parallel kernels at once, and
-# the kernel already uses every core, so serialising costs nothing. The serial
-# kernel (small tensors; a thread set to one numba thread, as the refit's digest
-# beside the copy is) uses no pool and takes no lock. Every kernel releases the GIL.
-_LOCK = threading.Lock()
+# No numba parallel loop and no lock: ``_threads`` runs the claiming kernels on this thread and on helper
+# threads that sleep when idle. The serial kernel (small tensors; a thread set to one numba thread, as the
+# refit's digest beside the copy is) wakes no helper. Every kernel releases the GIL.
 
 
 def lanes_digest(lanes: np.ndarray, seed: tuple[int, int]) -> tuple[int, int]:
     """The two digest words (unsigned ints) of a ``uint64`` lane array."""
     lanes = np.ascontiguousarray(lanes, dtype=np.uint64).reshape(-1)
-    if lanes.shape[0] < _SERIAL_BELOW or numba.get_num_threads() == 1:
-        d1, d2 = _digest_serial(lanes, _U(seed[0]), _U(seed[1]))  # no thread pool: no lock, and the GIL released
+    if lanes.shape[0] < _SERIAL_BELOW or threads_here() == 1:
+        d1, d2 = _digest_serial(lanes, _U(seed[0]), _U(seed[1]))  # no helper woken, and the GIL released
     else:
-        with _LOCK:
-            d1, d2 = _digest_parallel(lanes, _U(seed[0]), _U(seed[1]))
+        d1, d2 = _digest_parallel(lanes, _U(seed[0]), _U(seed[1]))
     return int(d1), int(d2)
+
+
+def _digest_parallel(lanes: np.ndarray, s1: np.uint64, s2: np.uint64) -> tuple[np.uint64, np.uint64]:
+    """The digest words of one tensor, its groups spread over the threads (``_threads``), then chained."""
+    full, last, b_last, groups, total = _plan(lanes.shape[0])
+    r1 = np.empty(total * GROUP, dtype=np.uint64)
+    r2 = np.empty(total * GROUP, dtype=np.uint64)
+    spread(_groups_claimed, (lanes, full, b_last, total, r1, r2), total)
+    return _chain(lanes, s1, s2, full, last, groups, r1, r2)
 
 
 def lanes_digest_many(lanes: np.ndarray, starts: np.ndarray, counts: np.ndarray, seeds: np.ndarray) -> np.ndarray:
@@ -528,8 +521,7 @@ def lanes_digest_many(lanes: np.ndarray, starts: np.ndarray, counts: np.ndarray,
         raise ValueError("a tensor's lanes fall outside the lane array")
     out = np.empty((n, 2), dtype=np.uint64)
     if n:
-        with _LOCK, numba.parallel_chunksize(1):  # tensors of mixed sizes: hand them out one by one
-            _digest_many(lanes, starts, counts, seeds, out)
+        spread(_many_claimed, (lanes, starts, counts, seeds, out), n)  # tensors of mixed sizes: one by one
     return out
 
 
@@ -554,45 +546,14 @@ def lanes_digest_at(addresses: np.ndarray, nbytes: np.ndarray, seeds: np.ndarray
         raise ValueError("every byte count must be >= 0, and an address non-null where there are bytes")
     out = np.empty((n, 2), dtype=np.uint64)
     if n:
-        with _LOCK, numba.parallel_chunksize(1):
-            _digest_at(addresses, nbytes, seeds, out)
+        rest, big, plans, first, owner = _at_plan(addresses, nbytes)
+        r1 = np.empty(first[-1] * GROUP, dtype=np.uint64)
+        r2 = np.empty(first[-1] * GROUP, dtype=np.uint64)
+        items, m = rest.shape[0] + int(first[-1]), big.shape[0]
+        spread(_at_claimed, (addresses, nbytes, seeds, out, rest, big, plans, first, owner, r1, r2), items,
+               last=(1, m) if m else (0, items))
     del keep_alive  # held until here: the kernel read the tensors' memory
     return out
-
-
-def floor_rate(threads: int | None = None, seconds: float = 0.2) -> float:
-    """Lanes per second of the compute floor on ``threads`` threads (default: all).
-
-    The floor is one SplitMix64 mix per 64-bit lane of a 32 KiB array that
-    stays in cache, with the kernels' vector arithmetic, one copy of the work
-    per thread: what the cores can do at best. A digest costs about 6.6 times
-    that per lane (6 mixes and 2 multiplies for its two channels), so
-    ``8 * floor_rate() / 6.6`` bytes/s bounds any kernel built from them.
-    Best of several runs of about ``seconds / 5`` each.
-    """
-    a = np.random.default_rng(0).integers(0, 2**63, 4096, dtype=np.uint64)
-    before = numba.get_num_threads()
-    tasks = before if threads is None else threads
-    with _LOCK:
-        numba.set_num_threads(tasks)
-        try:
-            _floor(a, 1, tasks)  # compile / warm
-            reps = 16
-            while True:
-                t0 = time.perf_counter()
-                _floor(a, reps, tasks)
-                dt = time.perf_counter() - t0
-                if dt >= seconds / 10 or reps >= 1 << 24:
-                    break
-                reps *= 2
-            best = dt
-            for _ in range(5):
-                t0 = time.perf_counter()
-                _floor(a, reps, tasks)
-                best = min(best, time.perf_counter() - t0)
-        finally:
-            numba.set_num_threads(before)
-    return tasks * reps * a.shape[0] / best
 
 
 def set_threads(n: int) -> None:

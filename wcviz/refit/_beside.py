@@ -2,8 +2,8 @@
 
 A refit end with verification on both copies every byte (the sender's pack, the
 engine's ``load_weights``) and digests it. Done one after the other, the digest
-waits for the copy; with numba's parallel kernel the two cores then take turns
-and idle pool threads spin between calls. Here the digest runs on one worker
+waits for the copy, and the two cores take turns between the kernel's threads and
+the copy's. Here the digest runs on one worker
 thread, on one numba thread (numba's thread count belongs to the calling
 thread), while the calling thread copies: the kernels release the GIL, so the
 two run on two cores at once, and nothing spins.

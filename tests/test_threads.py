@@ -1,0 +1,133 @@
+"""The kernels' threads (``wcviz.digest._threads``): work claimed from an atomic counter, helpers that sleep.
+
+What must hold: every item is done exactly once whoever claims it; the caller never waits for
+a helper that has not claimed anything (so a busy or missing helper cannot stall a digest); a
+helper's error reaches the caller; helpers burn no CPU while idle (numba's OpenMP pool spun
+a second core beside the host's own work); and a forked child gets helpers of its own.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from wcviz.digest import _numba, _threads
+from wcviz.digest._threads import claim, finished, spread
+
+
+def _helper_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("wcviz-digest-")]
+
+
+def test_every_item_is_done_once_whoever_claims_it(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setattr(_threads, "threads_here", lambda: 3)
+    done: list[int] = []
+
+    def work(n: int, ctr: np.ndarray) -> None:
+        slow = threading.current_thread().name.startswith("wcviz-digest-")
+        while (i := claim(ctr, 0)) < n:
+            time.sleep(0.02 if slow else 0.001)  # a helper's item still in flight when the caller runs out
+            done.append(int(i))
+            finished(ctr, 0)
+
+    spread(work, (50,), 50)
+    assert sorted(done) == list(range(50))  # all written before spread returned
+
+
+def test_a_helper_that_fails_raises_its_error_in_the_caller(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setattr(_threads, "threads_here", lambda: 2)
+    helper_claimed = threading.Event()
+
+    def work(n: int, ctr: np.ndarray) -> None:
+        on_helper = threading.current_thread().name.startswith("wcviz-digest-")
+        if not on_helper:
+            assert helper_claimed.wait(30)  # the helper claims first, then fails holding its item
+        while (i := claim(ctr, 0)) < n:
+            if on_helper:
+                helper_claimed.set()
+                raise RuntimeError(f"helper broke on item {i}")
+            finished(ctr, 0)
+
+    with pytest.raises(RuntimeError, match="helper broke on item 0"):
+        spread(work, (4,), 4)
+
+
+def test_the_caller_does_not_wait_for_a_helper_that_has_not_started(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setattr(_threads, "threads_here", lambda: 2)
+    go = threading.Event()
+    woke: list[str] = []
+    ask = _threads._HELPERS.ask
+
+    def late(k, work, args, errors):  # type: ignore[no-untyped-def]
+        def slow(*a):  # type: ignore[no-untyped-def]
+            go.wait(30)
+            woke.append(threading.current_thread().name)
+            work(*a)
+
+        ask(k, slow, args, errors)
+
+    monkeypatch.setattr(_threads._HELPERS, "ask", late)
+    done: list[tuple[int, str]] = []
+
+    def work(n: int, ctr: np.ndarray) -> None:
+        while (i := claim(ctr, 0)) < n:
+            done.append((int(i), threading.current_thread().name))
+            finished(ctr, 0)
+
+    spread(work, (5,), 5)  # returns with the helper still asleep: a wait for it would never end here
+    assert woke == []
+    assert sorted(i for i, _ in done) == list(range(5)) and {who for _, who in done} == {threading.current_thread().name}
+    go.set()
+    for _ in range(300):
+        if woke:
+            break
+        time.sleep(0.01)
+    assert len(woke) == 1 and len(done) == 5  # it woke, found nothing left, and did nothing
+
+
+def _ticks(tid: int) -> int:
+    fields = Path(f"/proc/self/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])  # utime + stime (fields 14 and 15 of stat)
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="per-thread CPU times from /proc (Linux)")
+def test_helpers_burn_no_cpu_while_idle() -> None:
+    if _threads.threads_here() < 2:
+        pytest.skip("one kernel thread here: no helper to watch")
+    lanes = np.random.default_rng(3).integers(0, 2**63, 8 * _numba._SERIAL_BELOW, dtype=np.uint64)
+    for _ in range(20):
+        _numba.lanes_digest(lanes, (1, 2))
+    helpers = _helper_threads()
+    assert helpers, "a parallel digest woke no helper"
+    before = sum(_ticks(t.native_id) for t in helpers if t.native_id)
+    time.sleep(0.5)
+    after = sum(_ticks(t.native_id) for t in helpers if t.native_id)
+    assert after - before <= 3, f"idle helpers used {after - before} clock ticks in 0.5 s"  # a spinning one: ~50
+
+
+def _child_digest(n: int) -> tuple[tuple[int, int], int]:
+    from wcviz.digest import set_digest_threads
+
+    set_digest_threads(2)
+    lanes = np.random.default_rng(5).integers(0, 2**63, n, dtype=np.uint64)
+    got = _numba.lanes_digest(lanes, (3, 4))
+    return got, sum(t.is_alive() for t in _helper_threads())
+
+
+@pytest.mark.skipif("fork" not in mp.get_all_start_methods(), reason="fork start method")
+def test_a_forked_child_gets_helpers_of_its_own() -> None:
+    if _numba.numba.config.NUMBA_NUM_THREADS < 2:
+        pytest.skip("one kernel thread here")
+    n = 8 * _numba._SERIAL_BELOW + 5
+    lanes = np.random.default_rng(5).integers(0, 2**63, n, dtype=np.uint64)
+    want = _numba._digest_serial(lanes, np.uint64(3), np.uint64(4))
+    _numba.lanes_digest(lanes, (3, 4))  # this process's helpers exist before the fork
+    with mp.get_context("fork").Pool(1) as pool:
+        got, helpers = pool.apply_async(_child_digest, (n,)).get(timeout=300)
+    assert got == (int(want[0]), int(want[1]))
+    assert helpers >= 1  # helper threads started in the child (a fork carries none over)

@@ -1,0 +1,181 @@
+"""The CPU kernels' threads: helpers that sleep when idle, work handed out by an atomic counter.
+
+Why not numba's parallel loops. Their usual runtime, GNU OpenMP, keeps its threads
+spinning after every parallel loop (its default wait policy): a host that digests a
+tensor and then does its own work pays a second core spinning beside it
+(``benchmarks/idle_threads.py``: 104% of the host's own work in CPU burned on a 2-core
+Xeon), and in a refit the spinning of one process takes the core the other process
+needs. ``OMP_WAIT_POLICY=PASSIVE`` cures it, but only for a whole process, torch
+included, and only if set before start: not a library's to set.
+
+Here a parallel call puts its work on a queue that up to ``threads - 1`` helper threads
+block on (no CPU while idle), then works on it itself. Every participant claims items
+(a group of blocks, a tensor) from a shared counter with an atomic add *inside* the
+compiled, GIL-free kernel: a helper that wakes late takes fewer items, one that wakes
+after the work is gone takes none, and the caller never waits for a helper that has
+not claimed anything. The caller returns when every item is finished, spinning only
+for the items still in flight on helpers (one each at most).
+
+The counter is an ``int64`` array: slot 0 is set when a helper failed (its error is
+raised by the caller); phase ``p`` (at most 3) claims from slot ``1 + 2p`` and counts
+finished items in slot ``2 + 2p``. A kernel with two phases (groups, then the chains
+that need all of them) waits for the first to finish before claiming in the second
+(:func:`wait`).
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+__all__ = ["SLOTS", "claim", "claimed", "finished", "wait", "spread", "threads_here"]
+
+SLOTS = 7  # the failure flag, then (next, finished) for up to 3 phases
+# A helper done with its work listens for the next call this many reads (~50-100 us) before it sleeps:
+# waking a sleeping thread costs ~0.2 ms in a VM, which back-to-back digests of a few MiB each would pay
+# every call. Bounded, so an idle host pays at most that once per call, not a core.
+_POLLS = 20_000
+_BELL = np.zeros(1, dtype=np.int64)  # rung by every call that asks for helpers
+
+
+@intrinsic
+def _fetch_add(typingctx, ctr, i, v):  # type: ignore[no-untyped-def]
+    """``ctr[i] += v`` as one sequentially consistent atomic step; the value before."""
+    if not (isinstance(ctr, types.Array) and ctr.dtype == types.int64 and ctr.ndim == 1):
+        return None
+    if not (isinstance(i, types.Integer) and isinstance(v, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
+        index = context.cast(builder, args[1], sig.args[1], types.intp)
+        value = context.cast(builder, args[2], sig.args[2], types.int64)
+        arr = context.make_array(sig.args[0])(context, builder, args[0])
+        ptr = cgutils.get_item_pointer(context, builder, sig.args[0], arr, [index])
+        return builder.atomic_rmw("add", ptr, value, "seq_cst")
+
+    return types.int64(ctr, i, v), codegen
+
+
+@njit(cache=True, inline="always")
+def claim(ctr, p):  # type: ignore[no-untyped-def]
+    """The next item of phase ``p`` (past the last when none is left)."""
+    return _fetch_add(ctr, 1 + 2 * p, 1)
+
+
+@njit(cache=True, inline="always")
+def claimed(ctr, p):  # type: ignore[no-untyped-def]
+    """Claims made so far in phase ``p`` (including those that found nothing left)."""
+    return _fetch_add(ctr, 1 + 2 * p, 0)
+
+
+@njit(cache=True, inline="always")
+def finished(ctr, p):  # type: ignore[no-untyped-def]
+    """Count one item of phase ``p`` as done (after its results were written)."""
+    _fetch_add(ctr, 2 + 2 * p, 1)
+
+
+@njit(nogil=True, cache=True)
+def wait(ctr, p, n):  # type: ignore[no-untyped-def]
+    """Until ``n`` items of phase ``p`` are done (True) or a helper failed (False)."""
+    while _fetch_add(ctr, 2 + 2 * p, 0) < n:
+        if _fetch_add(ctr, 0, 0):
+            return False
+    return True
+
+
+@njit(nogil=True, cache=True)
+def _listen(bell, seen, polls):  # type: ignore[no-untyped-def]
+    """Whether ``bell[0]`` moves from ``seen`` within ``polls`` reads (a short, bounded wait for the next call)."""
+    for _ in range(polls):
+        if _fetch_add(bell, 0, 0) != seen:
+            return True
+    return False
+
+
+@njit(nogil=True, cache=True)
+def _fail(ctr):  # type: ignore[no-untyped-def]
+    _fetch_add(ctr, 0, 1)
+
+
+def threads_here() -> int:
+    """Threads the kernels may use from the calling thread: numba's count for it (``set_digest_threads``)."""
+    import numba
+
+    return max(1, int(numba.get_num_threads()))
+
+
+class _Helpers:
+    """Daemon threads blocked on one queue, started as needed, new after a fork (threads do not survive one)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pid = -1
+        self._queue: queue.SimpleQueue[tuple[Callable[..., None], tuple[Any, ...], list[BaseException]]] = queue.SimpleQueue()
+        self._count = 0
+
+    def ask(self, k: int, work: Callable[..., None], args: tuple[Any, ...], errors: list[BaseException]) -> None:
+        """Have ``k`` helpers call ``work(*args)`` (each claims what is left when it wakes)."""
+        with self._lock:
+            if self._pid != os.getpid():
+                self._pid, self._queue, self._count = os.getpid(), queue.SimpleQueue(), 0
+            while self._count < k:
+                threading.Thread(target=self._serve, args=(self._queue,), name=f"wcviz-digest-{self._count}", daemon=True).start()
+                self._count += 1
+            q = self._queue
+        for _ in range(k):
+            q.put((work, args, errors))
+        _BELL[0] += 1  # (under the GIL: callers never race on it) helpers still listening take it at once
+
+    def forget(self) -> None:
+        """In a forked child: no helper came along, and the lock may have been held by a thread that did not."""
+        self._lock = threading.Lock()
+        self._pid, self._queue, self._count = os.getpid(), queue.SimpleQueue(), 0
+
+    @staticmethod
+    def _serve(q: queue.SimpleQueue[tuple[Callable[..., None], tuple[Any, ...], list[BaseException]]]) -> None:
+        while True:
+            seen = int(_BELL[0])
+            try:
+                work, args, errors = q.get_nowait()
+            except queue.Empty:
+                if _listen(_BELL, seen, _POLLS):  # back-to-back calls: no wake-up from sleep each time
+                    continue
+                work, args, errors = q.get()  # then sleep: no CPU while idle
+            try:
+                work(*args)
+            except BaseException as e:  # noqa: BLE001 - handed to the caller, which raises it
+                errors.append(e)
+                _fail(args[-1])
+            del work, args, errors  # hold no tensor while idle
+
+
+_HELPERS = _Helpers()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_HELPERS.forget)
+
+
+def spread(work: Callable[..., None], args: tuple[Any, ...], items: int, *, last: tuple[int, int] | None = None) -> None:
+    """Run the claiming kernel ``work(*args, ctr)`` on this thread and on helpers, until all is done.
+
+    ``items`` bounds the participants (no helper for work of one item); ``last`` is
+    ``(phase, items)`` of the phase whose end means the whole work is done (default:
+    phase 0, ``items``). Raises a helper's error, if one failed.
+    """
+    ctr = np.zeros(SLOTS, dtype=np.int64)
+    k = min(threads_here(), items) - 1
+    errors: list[BaseException] = []
+    if k > 0:
+        _HELPERS.ask(k, work, (*args, ctr), errors)
+    work(*args, ctr)
+    if k > 0:
+        phase, n = last if last is not None else (0, items)
+        if not wait(ctr, phase, n):
+            raise errors[0] if errors else RuntimeError("a digest helper thread failed")
