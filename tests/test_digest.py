@@ -466,6 +466,35 @@ def test_accumulator_collects_on_device_and_syncs_once(monkeypatch: pytest.Monke
     assert sha.hex() == {"w": digest_hex(torch.ones(2), algo="sha256")}
 
 
+def test_accumulator_add_many_digests_host_tensors_in_one_kernel_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``add_many`` gives what ``add`` gives, in the order given, with the numba host tensors (large, small,
+    strided, at an odd offset) in one batched call; a duplicate name adds nothing."""
+    from wcviz.digest import DigestAccumulator, _numba
+
+    g = torch.Generator().manual_seed(12)
+    whole = torch.randn(3 * (1 << 17) + 7, generator=g)
+    named = [("big", torch.randn(1 << 19, generator=g)), *named_batch().items(), ("odd", whole[1:]),
+             ("big2", torch.randn(600, 1000, generator=g).to(torch.bfloat16))]
+    calls: list[int] = []
+    real = _numba.lanes_digest_at
+    monkeypatch.setattr(_numba, "lanes_digest_at", lambda a, *rest: calls.append(len(a)) or real(a, *rest))
+    acc = DigestAccumulator()
+    acc.add_many(named)
+    got = acc.hex()
+    assert list(got) == [n for n, _ in named]
+    assert got == {n: digest_hex(t, backend="torch") for n, t in named}
+    assert len(calls) == 1 and calls[0] >= 5  # one kernel call read the contiguous ones in place
+    with pytest.raises(DigestError, match="duplicate parameter names: big"):
+        acc.add_many([("fresh", torch.ones(3)), ("big", torch.ones(1))])
+    assert "fresh" not in acc
+    with pytest.raises(DigestError, match="duplicate parameter names: twice"):
+        acc.add_many([("twice", torch.ones(3)), ("twice", torch.ones(3))])
+    assert "twice" not in acc and len(acc) == len(named)
+    one = DigestAccumulator(backend="torch")  # not the numba kernel: each tensor as add digests it
+    one.add_many(named[:3])
+    assert one.hex() == {n: got[n] for n, _ in named[:3]}
+
+
 def test_digest_many_batches_small_host_tensors_in_one_kernel_call(monkeypatch: pytest.MonkeyPatch) -> None:
     """Tensors up to SMALL_BYTES share one numba call (contiguous ones read in place, the strided one packed);
     larger ones get their own; all match the reference."""

@@ -18,6 +18,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -117,20 +118,28 @@ class DyingReceiver(IPCReceiver):
         return {}
 
 
+def count_digests(calls: list[int], put: Callable[[str, Any], None]) -> None:
+    """Count in ``calls[0]`` every tensor wcviz digests: one per call of ``_words`` or ``_sha256_of``, one per
+    tensor of a batched ``_words_many`` call; ``put(name, fn)`` installs each counting wrapper."""
+    from wcviz.digest import _api
+
+    for fn, tensors in (("_words", lambda a: 1), ("_sha256_of", lambda a: 1), ("_words_many", lambda a: len(a[0]))):
+        original = getattr(_api, fn)
+
+        def counted(*a: Any, _original: Any = original, _tensors: Any = tensors, **k: Any) -> Any:
+            calls[0] += _tensors(a)
+            return _original(*a, **k)
+
+        put(fn, counted)
+
+
 def receiver_main(conn: Any) -> None:
     """Serve one refit per command from the test until told to stop (None); report each."""
     from wcviz.digest import _api, digest_hex
 
     digest_hex(torch.ones(3))  # load numba now, not inside a timed wait
     calls = [0]
-    for fn in ("_words", "_sha256_of"):  # every digest wcviz computes goes through one of these
-        original = getattr(_api, fn)
-
-        def counted(*a: Any, _original: Any = original, **k: Any) -> Any:
-            calls[0] += 1
-            return _original(*a, **k)
-
-        setattr(_api, fn, counted)
+    count_digests(calls, lambda fn, f: setattr(_api, fn, f))
     conn.send("ready")
     while (cmd := conn.recv()) is not None:
         conn.send(serve(cmd, calls))
@@ -269,14 +278,7 @@ def sender_digests(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     from wcviz.digest import _api
 
     calls = [0]
-    for fn in ("_words", "_sha256_of"):
-        original = getattr(_api, fn)
-
-        def counted(*a: Any, _original: Any = original, **k: Any) -> Any:
-            calls[0] += 1
-            return _original(*a, **k)
-
-        monkeypatch.setattr(_api, fn, counted)
+    count_digests(calls, lambda fn, f: monkeypatch.setattr(_api, fn, f))
     return calls
 
 

@@ -470,6 +470,30 @@ class DigestAccumulator:
             raise DigestError(f"duplicate parameter names: {name}")
         self._pending[name] = _sha256_of(t, name, self.algo) if self.algo != _spec.ALGO else tensor_digest(t, backend=self.backend, name=name)
 
+    def add_many(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """:meth:`add` each ``(name, tensor)``, in order; the host tensors that the numba kernel digests go in one
+        batched call (its threads spread over all of them: no thread start and no idle tail per tensor).
+        Every name is checked first: with a duplicate, nothing is added."""
+        import torch
+
+        items = list(named)
+        seen: set[str] = set()
+        for name, _ in items:
+            if name in self._pending or name in seen:
+                raise DigestError(f"duplicate parameter names: {name}")
+            seen.add(name)
+        host: list[tuple[str, torch.Tensor]] = []
+        if self.algo == _spec.ALGO and len(items) > 1:
+            plain = (torch.Tensor, torch.nn.Parameter)
+            host = [(n, t) for n, t in items if type(t) in plain and t.layout is torch.strided and not t.is_nested
+                    and t.device.type == "cpu" and resolve_backend(self.backend, "cpu", n) == "numba"]
+        done = {n: _hex_words(w) for (n, _), w in zip(host, _words_many(host, "numba").tolist())} if len(host) > 1 else {}
+        for name, t in items:
+            if name in done:
+                self._pending[name] = done[name]
+            else:
+                self.add(name, t)
+
     def hex(self) -> dict[str, Digest]:
         """Every digest so far, as ``{name: Digest}`` in the order added; one sync per device."""
         import torch

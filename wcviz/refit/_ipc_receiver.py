@@ -42,9 +42,9 @@ def _sync(buf: torch.Tensor) -> None:
 
 
 def _add_all(acc: DigestAccumulator, named: list[tuple[str, torch.Tensor]]) -> None:
-    """Digest each tensor (a name that comes twice is the accumulator's error, naming it)."""
-    for n, t in named:
-        acc.add(n, t)
+    """Digest each tensor, the host ones in one batched call (a name that comes twice is the accumulator's
+    error, naming it)."""
+    acc.add_many(named)
 
 
 @dataclass

@@ -360,6 +360,4 @@ class IPCSender(Transport):
 
 def _add_new(acc: DigestAccumulator, named: list[tuple[str, torch.Tensor]]) -> None:
     """Digest each tensor not digested yet (the sender's last pass covers what was never packed)."""
-    for n, t in named:
-        if n not in acc:
-            acc.add(n, t)
+    acc.add_many([(n, t) for n, t in named if n not in acc])
