@@ -497,7 +497,8 @@ def test_accumulator_add_many_digests_host_tensors_in_one_kernel_call(monkeypatc
 
 def test_digest_many_batches_small_host_tensors_in_one_kernel_call(monkeypatch: pytest.MonkeyPatch) -> None:
     """Tensors up to SMALL_BYTES share one numba call (contiguous ones read in place, the strided one packed);
-    larger ones get their own; all match the reference."""
+    larger ones get their own where they are timed or a progress bar shows them, else join it; all match the
+    reference."""
     from wcviz.digest import _numba
 
     g = torch.Generator().manual_seed(11)
@@ -519,8 +520,15 @@ def test_digest_many_batches_small_host_tensors_in_one_kernel_call(monkeypatch: 
     monkeypatch.setattr(_numba, "lanes_digest", lambda lanes, seed: singles.append(lanes.shape[0]) or one(lanes, seed))
     got = _api.digest_timed(named, backend="numba")
     assert in_place == [4] and batches == [1] and singles == [(small + 2 + 7) // 8]
-    assert {n: d for n, (d, _) in got.items()} == digest_many(named, backend="torch")
+    want = digest_many(named, backend="torch")
+    assert {n: d for n, (d, _) in got.items()} == want
     assert all(s >= 0 for _, s in got.values()) and list(got) == list(named)
+    del in_place[:], batches[:], singles[:]
+    assert digest_many(named, backend="numba") == want  # untimed: the large one joins the batch too
+    assert in_place == [5] and batches == [1] and singles == []
+    del in_place[:], batches[:], singles[:]
+    assert digest_many(named, backend="numba", progress=True) == want  # a progress bar moves per large tensor
+    assert in_place == [4] and batches == [1] and singles == [(small + 2 + 7) // 8]
 
 
 # --------------------------------------------------------------------------- one-element strided views

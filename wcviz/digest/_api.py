@@ -330,9 +330,14 @@ def digest_timed(
 
 
 def _digests(
-    named_tensors: NamedTensors, algo: str, backend: str, progress: bool | None
+    named_tensors: NamedTensors, algo: str, backend: str, progress: bool | None, *, timed: bool = True
 ) -> tuple[list[str], list[Digest], list[float]]:
-    """Names, digests and seconds, in input order: what :func:`digest_timed` and :func:`digest_many` share."""
+    """Names, digests and seconds, in input order: what :func:`digest_timed` and :func:`digest_many` share.
+
+    Untimed and with no progress bar to move, host tensors of every size go into the one numba batch (its
+    threads spread over all of them: no thread start and no idle tail per tensor); timed, a large one is
+    digested, and timed, on its own."""
+    batch_all = not timed and not progress
     from tqdm.auto import tqdm
 
     _check_algo(algo, backend)
@@ -364,7 +369,7 @@ def _digests(
         how = resolved.get(kind)
         if how is None:
             how = resolved[kind] = resolve_backend(backend, kind, name)
-        if how == "triton" or (how == "numba" and nbytes <= SMALL_BYTES):
+        if how == "triton" or (how == "numba" and (nbytes <= SMALL_BYTES or batch_all)):
             group = batches.get((how, device))
             if group is None:
                 group = batches[(how, device)] = []
@@ -517,7 +522,7 @@ def digest_many(
     Accepts a mapping or an iterable of ``(name, tensor)``; duplicate names are
     an error that names them. Returns ``{name: Digest}`` in input order.
     """
-    names, digests, _ = _digests(named_tensors, algo, backend, progress)
+    names, digests, _ = _digests(named_tensors, algo, backend, progress, timed=False)
     return dict(zip(names, digests))
 
 
