@@ -378,8 +378,8 @@ def _digests(
             singles.append((i, device, how))
     names = [name for name, _ in items]
     if algo in _pool.HASHLIB_ALGOS:  # one SHA-256 stream per tensor: tensors side by side, on threads
-        timed = _hashed(items, sizes, algo, progress)
-        return names, [d for d, _ in timed], [s for _, s in timed]
+        hashed = _hashed(items, sizes, algo, progress)
+        return names, [d for d, _ in hashed], [s for _, s in hashed]
     n = len(items)
     out: list[Any] = [None] * n  # each tensor's Digest, by its index
     secs = [0.0] * n
