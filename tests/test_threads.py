@@ -27,9 +27,11 @@ def _helper_threads() -> list[threading.Thread]:
 def test_every_item_is_done_once_whoever_claims_it(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     monkeypatch.setattr(_threads, "threads_here", lambda: 3)
     done: list[int] = []
+    roles: list[tuple[bool, bool]] = []
 
-    def work(n: int, ctr: np.ndarray) -> None:
+    def work(n: int, ctr: np.ndarray, bell: np.ndarray, helper: bool) -> None:
         slow = threading.current_thread().name.startswith("wcviz-digest-")
+        roles.append((slow, helper))  # the kernels ring the bell as the caller and listen after it as a helper
         while (i := claim(ctr, 0)) < n:
             time.sleep(0.02 if slow else 0.001)  # a helper's item still in flight when the caller runs out
             done.append(int(i))
@@ -37,13 +39,14 @@ def test_every_item_is_done_once_whoever_claims_it(monkeypatch) -> None:  # type
 
     spread(work, (50,), 50)
     assert sorted(done) == list(range(50))  # all written before spread returned
+    assert (False, False) in roles and all(on_helper == helper for on_helper, helper in roles)
 
 
 def test_a_helper_that_fails_raises_its_error_in_the_caller(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     monkeypatch.setattr(_threads, "threads_here", lambda: 2)
     helper_claimed = threading.Event()
 
-    def work(n: int, ctr: np.ndarray) -> None:
+    def work(n: int, ctr: np.ndarray, bell: np.ndarray, helper: bool) -> None:
         on_helper = threading.current_thread().name.startswith("wcviz-digest-")
         if not on_helper:
             assert helper_claimed.wait(30)  # the helper claims first, then fails holding its item
@@ -74,7 +77,7 @@ def test_the_caller_does_not_wait_for_a_helper_that_has_not_started(monkeypatch)
     monkeypatch.setattr(_threads._HELPERS, "ask", late)
     done: list[tuple[int, str]] = []
 
-    def work(n: int, ctr: np.ndarray) -> None:
+    def work(n: int, ctr: np.ndarray, bell: np.ndarray, helper: bool) -> None:
         while (i := claim(ctr, 0)) < n:
             done.append((int(i), threading.current_thread().name))
             finished(ctr, 0)

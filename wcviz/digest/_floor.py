@@ -15,7 +15,7 @@ from numba import njit
 
 from wcviz.digest._numba import _CACHE, _Z, _mix
 from wcviz.digest._simd import load, splat, store
-from wcviz.digest._threads import claim, claimed, finished, spread
+from wcviz.digest._threads import arrive, claim, claimed, finished, spread
 
 __all__ = ["floor_rate"]
 
@@ -38,9 +38,10 @@ def _floor_pass(a, reps):  # type: ignore[no-untyped-def]
 
 
 @njit(nogil=True, cache=_CACHE)
-def _floor_claimed(a, reps, tasks, out, ctr):  # type: ignore[no-untyped-def]
+def _floor_claimed(a, reps, tasks, out, ctr, bell, helper):  # type: ignore[no-untyped-def]
     """One ``_floor_pass`` per participant, all started together (each claims its task, then waits until
     every task is claimed): the floor is ``tasks`` threads at once, never one doing two in turn."""
+    arrive(bell, helper)
     t = claim(ctr, 0)
     if t >= tasks:
         return

@@ -71,7 +71,7 @@ from numba import njit, types
 from numba.extending import intrinsic
 
 from wcviz.digest import _spec
-from wcviz.digest._threads import claim, finished, spread, threads_here, wait
+from wcviz.digest._threads import arrive, claim, leave, finished, spread, threads_here, wait
 from wcviz.digest._simd import WIDE, cat, load, load_cols, prefetch, splat, split, store
 
 __all__ = ["BLOCK", "GROUP", "lanes_digest", "lanes_digest_at", "lanes_digest_many", "set_threads"]
@@ -374,25 +374,29 @@ def _digest_serial(lanes, s1, s2):  # type: ignore[no-untyped-def]
 
 
 @njit(nogil=True, cache=_CACHE)
-def _groups_claimed(lanes, full, b_last, total, r1, r2, ctr):  # type: ignore[no-untyped-def]
+def _groups_claimed(lanes, full, b_last, total, r1, r2, ctr, bell, helper):  # type: ignore[no-untyped-def]
     """Block roots of the groups of one tensor, claimed one at a time (``_threads``) until none is left."""
+    arrive(bell, helper)
     s = np.empty(BLOCK // 4 * _W, dtype=np.uint64)
     t = claim(ctr, 0)
     while t < total:
         _group(lanes, t, full, b_last, s, r1, r2)
         finished(ctr, 0)
         t = claim(ctr, 0)
+    leave(bell, helper)
 
 
 @njit(nogil=True, cache=_CACHE)
-def _many_claimed(lanes, starts, counts, seeds, out, ctr):  # type: ignore[no-untyped-def]
+def _many_claimed(lanes, starts, counts, seeds, out, ctr, bell, helper):  # type: ignore[no-untyped-def]
     """Packed tensors, claimed one at a time, each digested serially."""
+    arrive(bell, helper)
     i = claim(ctr, 0)
     while i < starts.shape[0]:
         a = starts[i]
         out[i, 0], out[i, 1] = _digest_serial(lanes[a : a + counts[i]], seeds[i, 0], seeds[i, 1])
         finished(ctr, 0)
         i = claim(ctr, 0)
+    leave(bell, helper)
 
 
 @intrinsic
@@ -445,10 +449,11 @@ def _at_plan(addresses, nbytes):  # type: ignore[no-untyped-def]
 
 
 @njit(nogil=True, cache=_CACHE)
-def _at_claimed(addresses, nbytes, seeds, out, rest, big, plans, first, owner, r1, r2, ctr):  # type: ignore[no-untyped-def]
+def _at_claimed(addresses, nbytes, seeds, out, rest, big, plans, first, owner, r1, r2, ctr, bell, helper):  # type: ignore[no-untyped-def]
     """Phase 0: the rest, one tensor per item, then the groups of all large tensors as if one tensor (no
     thread start and no idle tail per tensor); phase 1, once all of phase 0 is done: each large tensor's
     chain of chunks."""
+    arrive(bell, helper)
     k, m = rest.shape[0], big.shape[0]
     items = k + first[m]
     g = claim(ctr, 0)
@@ -464,9 +469,7 @@ def _at_claimed(addresses, nbytes, seeds, out, rest, big, plans, first, owner, r
             _group(lanes, g - k - first[j], plans[j, 0], plans[j, 2], s, r1[lo:hi], r2[lo:hi])
         finished(ctr, 0)
         g = claim(ctr, 0)
-    if m == 0 or not wait(ctr, 0, items):
-        return
-    j = claim(ctr, 1)
+    j = claim(ctr, 1) if m > 0 and wait(ctr, 0, items) else m  # (none, after a helper failed)
     while j < m:
         i = big[j]
         lanes = numba.carray(_void_ptr(addresses[i]), (nbytes[i] // 8,), np.uint64)
@@ -474,6 +477,7 @@ def _at_claimed(addresses, nbytes, seeds, out, rest, big, plans, first, owner, r
         out[i, 0], out[i, 1] = _chain(lanes, seeds[i, 0], seeds[i, 1], plans[j, 0], plans[j, 1], plans[j, 3], r1[lo:hi], r2[lo:hi])
         finished(ctr, 1)
         j = claim(ctr, 1)
+    leave(bell, helper)
 
 
 # ---------------------------------------------------------------- Python API

@@ -9,7 +9,9 @@ needs. ``OMP_WAIT_POLICY=PASSIVE`` cures it, but only for a whole process, torch
 included, and only if set before start: not a library's to set.
 
 Here a parallel call puts its work on a queue that up to ``threads - 1`` helper threads
-block on (no CPU while idle), then works on it itself. Every participant claims items
+block on (no CPU while idle), then works on it itself. A helper done with a call listens
+~0.15 ms for the next one inside the kernel (``leave``), where it holds no GIL; the
+caller rings for it on entering the kernel (``arrive``), once it no longer holds the GIL. Every participant claims items
 (a group of blocks, a tensor) from a shared counter with an atomic add *inside* the
 compiled, GIL-free kernel: a helper that wakes late takes fewer items, one that wakes
 after the work is gone takes none, and the caller never waits for a helper that has
@@ -36,14 +38,15 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-__all__ = ["SLOTS", "claim", "claimed", "finished", "wait", "spread", "threads_here"]
+__all__ = ["SLOTS", "claim", "claimed", "finished", "arrive", "leave", "wait", "spread", "threads_here"]
 
 SLOTS = 7  # the failure flag, then (next, finished) for up to 3 phases
-# A helper done with its work listens for the next call this many reads (~50-100 us) before it sleeps:
-# waking a sleeping thread costs ~0.2 ms in a VM, which back-to-back digests of a few MiB each would pay
-# every call. Bounded, so an idle host pays at most that once per call, not a core.
-_POLLS = 20_000
-_BELL = np.zeros(1, dtype=np.int64)  # rung by every call that asks for helpers
+# A helper done with its work listens for the next call this many reads (~150 us) inside the kernel before
+# it goes back to Python and sleeps. Waking a sleeping thread costs ~0.2 ms in a VM, and a helper back in
+# Python takes the GIL from a caller still busy between two calls: back-to-back digests of a few MiB each
+# would pay either every call. Bounded, so an idle host pays at most that once per call, not a core.
+_POLLS = 30_000
+_BELL = np.zeros(1, dtype=np.int64)  # rung by the caller of every kernel that may have helpers (``arrive``)
 
 
 @intrinsic
@@ -71,6 +74,26 @@ def claim(ctr, p):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True, inline="always")
+def arrive(bell, helper):  # type: ignore[no-untyped-def]
+    """A claiming kernel's first step: the caller (it queued the work, then entered the kernel) rings ``bell``
+    for the helpers listening since their last call. Rung here, where the caller no longer holds the GIL, a
+    helper that hears it takes the GIL at once instead of sleeping until it is free."""
+    if not helper:
+        _fetch_add(bell, 0, 1)
+
+
+@njit(cache=True, inline="always")
+def leave(bell, helper):  # type: ignore[no-untyped-def]
+    """A claiming kernel's last step: a helper listens a while for the next call before it goes back to Python,
+    where it would take the GIL from a caller still busy with this call's results."""
+    if helper:
+        seen = _fetch_add(bell, 0, 0)
+        for _ in range(_POLLS):
+            if _fetch_add(bell, 0, 0) != seen:
+                return
+
+
+@njit(cache=True, inline="always")
 def claimed(ctr, p):  # type: ignore[no-untyped-def]
     """Claims made so far in phase ``p`` (including those that found nothing left)."""
     return _fetch_add(ctr, 1 + 2 * p, 0)
@@ -89,15 +112,6 @@ def wait(ctr, p, n):  # type: ignore[no-untyped-def]
         if _fetch_add(ctr, 0, 0):
             return False
     return True
-
-
-@njit(nogil=True, cache=True)
-def _listen(bell, seen, polls):  # type: ignore[no-untyped-def]
-    """Whether ``bell[0]`` moves from ``seen`` within ``polls`` reads (a short, bounded wait for the next call)."""
-    for _ in range(polls):
-        if _fetch_add(bell, 0, 0) != seen:
-            return True
-    return False
 
 
 @njit(nogil=True, cache=True)
@@ -132,7 +146,6 @@ class _Helpers:
             q = self._queue
         for _ in range(k):
             q.put((work, args, errors))
-        _BELL[0] += 1  # (under the GIL: callers never race on it) helpers still listening take it at once
 
     def forget(self) -> None:
         """In a forked child: no helper came along, and the lock may have been held by a thread that did not."""
@@ -142,18 +155,12 @@ class _Helpers:
     @staticmethod
     def _serve(q: queue.SimpleQueue[tuple[Callable[..., None], tuple[Any, ...], list[BaseException]]]) -> None:
         while True:
-            seen = int(_BELL[0])
-            try:
-                work, args, errors = q.get_nowait()
-            except queue.Empty:
-                if _listen(_BELL, seen, _POLLS):  # back-to-back calls: no wake-up from sleep each time
-                    continue
-                work, args, errors = q.get()  # then sleep: no CPU while idle
+            work, args, errors = q.get()  # sleeps: no CPU while idle (the kernel listened a while first)
             try:
                 work(*args)
             except BaseException as e:  # noqa: BLE001 - handed to the caller, which raises it
                 errors.append(e)
-                _fail(args[-1])
+                _fail(args[-3])
             del work, args, errors  # hold no tensor while idle
 
 
@@ -163,7 +170,9 @@ if hasattr(os, "register_at_fork"):
 
 
 def spread(work: Callable[..., None], args: tuple[Any, ...], items: int, *, last: tuple[int, int] | None = None) -> None:
-    """Run the claiming kernel ``work(*args, ctr)`` on this thread and on helpers, until all is done.
+    """Run the claiming kernel ``work(*args, ctr, bell, helper)`` on this thread and on helpers, until all is done.
+
+    The kernel calls :func:`arrive` on entry, before its first claim, and :func:`leave` last.
 
     ``items`` bounds the participants (no helper for work of one item); ``last`` is
     ``(phase, items)`` of the phase whose end means the whole work is done (default:
@@ -173,8 +182,8 @@ def spread(work: Callable[..., None], args: tuple[Any, ...], items: int, *, last
     k = min(threads_here(), items) - 1
     errors: list[BaseException] = []
     if k > 0:
-        _HELPERS.ask(k, work, (*args, ctr), errors)
-    work(*args, ctr)
+        _HELPERS.ask(k, work, (*args, ctr, _BELL, True), errors)
+    work(*args, ctr, _BELL, False)
     if k > 0:
         phase, n = last if last is not None else (0, items)
         if not wait(ctr, phase, n):

@@ -21,7 +21,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from wcviz.digest._threads import claim, finished, spread
+from wcviz.digest._threads import arrive, claim, leave, finished, spread
 from wcviz.digest._engines import _FM1, _FM2, _M32, _POS1, _POS2, _SEED1, _SEED2, TILE
 
 __all__ = ["tiles"]
@@ -60,9 +60,10 @@ def _packed(h1, h2, nbytes):  # type: ignore[no-untyped-def]
 
 
 @numba.njit(nogil=True, cache=True)
-def _tiles_claimed(words, out, ctr):  # type: ignore[no-untyped-def]
+def _tiles_claimed(words, out, ctr, bell, helper):  # type: ignore[no-untyped-def]
     """Items claimed one at a time (``_threads``): first the groups of ``_STREAMS`` whole tiles, then the tiles
     left over (the last may be short), one item each."""
+    arrive(bell, helper)
     n = words.shape[0]
     nbytes = np.uint64((n * 4) & _M32)
     groups = n // (TILE * _STREAMS)  # groups of whole tiles
@@ -100,6 +101,7 @@ def _tiles_claimed(words, out, ctr):  # type: ignore[no-untyped-def]
             out[t] = _packed(h1, h2, nbytes)
         finished(ctr, 0)
         g = claim(ctr, 0)
+    leave(bell, helper)
 
 
 def tiles(words: np.ndarray, out: np.ndarray) -> None:

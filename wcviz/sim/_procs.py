@@ -117,7 +117,7 @@ def _spawn(spec: _worker.Spec) -> tuple[subprocess.Popen[bytes], Connection]:
 
     A fresh interpreter rather than multiprocessing's spawn: nothing of the caller's
     ``__main__`` is re-imported, so a script without an ``if __name__ == "__main__"``
-    guard, a notebook or a REPL can start a cluster. Never fork: numba/OpenMP threads
+    guard, a notebook or a REPL can start a cluster. Never fork: OpenMP threads (torch's)
     do not survive it.
     """
     ours, theirs = socket.socketpair()
