@@ -134,3 +134,27 @@ def test_a_forked_child_gets_helpers_of_its_own() -> None:
         got, helpers = pool.apply_async(_child_digest, (n,)).get(timeout=300)
     assert got == (int(want[0]), int(want[1]))
     assert helpers >= 1  # helper threads started in the child (a fork carries none over)
+
+
+def test_threads_digesting_at_once_get_their_own_digests_and_leave_no_request_behind() -> None:
+    """Callers on several threads share the helpers; every request queued for a helper is taken (the count a
+    listening helper checks, so it does not listen while work waits for it, returns to zero)."""
+    n = 4 * _numba.GROUP * _numba.BLOCK + 3
+    arrays = [np.random.default_rng(40 + i).integers(0, 2**63, n, dtype=np.uint64) for i in range(4)]
+    want = [tuple(int(w) for w in _numba._digest_serial(a, np.uint64(i), np.uint64(7))) for i, a in enumerate(arrays)]
+    bad: list[int] = []
+
+    def work(i: int) -> None:
+        for _ in range(15):
+            if _numba.lanes_digest(arrays[i], (i, 7)) != want[i]:
+                bad.append(i)
+
+    ts = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    [t.start() for t in ts]
+    [t.join(120) for t in ts]
+    assert not bad and not any(t.is_alive() for t in ts)
+    for _ in range(500):
+        if _threads._BELL[1] == 0:
+            break
+        time.sleep(0.01)
+    assert _threads._BELL[1] == 0

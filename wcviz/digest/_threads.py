@@ -9,14 +9,18 @@ needs. ``OMP_WAIT_POLICY=PASSIVE`` cures it, but only for a whole process, torch
 included, and only if set before start: not a library's to set.
 
 Here a parallel call puts its work on a queue that up to ``threads - 1`` helper threads
-block on (no CPU while idle), then works on it itself. A helper done with a call listens
-~0.15 ms for the next one inside the kernel (``leave``), where it holds no GIL; the
-caller rings for it on entering the kernel (``arrive``), once it no longer holds the GIL. Every participant claims items
+block on (no CPU while idle), then works on it itself. Every participant claims items
 (a group of blocks, a tensor) from a shared counter with an atomic add *inside* the
 compiled, GIL-free kernel: a helper that wakes late takes fewer items, one that wakes
 after the work is gone takes none, and the caller never waits for a helper that has
 not claimed anything. The caller returns when every item is finished, spinning only
 for the items still in flight on helpers (one each at most).
+
+Between calls. A helper done with a call listens ~0.15 ms for the next one inside the
+kernel (``leave``), where it holds no GIL, unless work is already queued for it; the
+caller rings for it on entering the kernel (``arrive``), once it no longer holds the
+GIL itself. Back-to-back digests then neither wake a sleeping thread nor hand the GIL
+back and forth.
 
 The counter is an ``int64`` array: slot 0 is set when a helper failed (its error is
 raised by the caller); phase ``p`` (at most 3) claims from slot ``1 + 2p`` and counts
@@ -46,7 +50,9 @@ SLOTS = 7  # the failure flag, then (next, finished) for up to 3 phases
 # Python takes the GIL from a caller still busy between two calls: back-to-back digests of a few MiB each
 # would pay either every call. Bounded, so an idle host pays at most that once per call, not a core.
 _POLLS = 30_000
-_BELL = np.zeros(1, dtype=np.int64)  # rung by the caller of every kernel that may have helpers (``arrive``)
+# [0]: rung by the caller of every kernel that may have helpers (``arrive``); [1]: requests queued for helpers
+# and not yet taken (``_queued``; read by ``leave``: a helper with work waiting does not listen)
+_BELL = np.zeros(2, dtype=np.int64)
 
 
 @intrinsic
@@ -89,7 +95,7 @@ def leave(bell, helper):  # type: ignore[no-untyped-def]
     if helper:
         seen = _fetch_add(bell, 0, 0)
         for _ in range(_POLLS):
-            if _fetch_add(bell, 0, 0) != seen:
+            if _fetch_add(bell, 0, 0) != seen or _fetch_add(bell, 1, 0) > 0:
                 return
 
 
@@ -119,6 +125,12 @@ def _fail(ctr):  # type: ignore[no-untyped-def]
     _fetch_add(ctr, 0, 1)
 
 
+@njit(nogil=True, cache=True)
+def _queued(bell, k):  # type: ignore[no-untyped-def]
+    """Count ``k`` more requests queued for helpers (atomically: asked and taken on different threads)."""
+    _fetch_add(bell, 1, k)
+
+
 def threads_here() -> int:
     """Threads the kernels may use from the calling thread: numba's count for it (``set_digest_threads``)."""
     import numba
@@ -144,6 +156,7 @@ class _Helpers:
                 threading.Thread(target=self._serve, args=(self._queue,), name=f"wcviz-digest-{self._count}", daemon=True).start()
                 self._count += 1
             q = self._queue
+            _queued(_BELL, k)
         for _ in range(k):
             q.put((work, args, errors))
 
@@ -151,11 +164,13 @@ class _Helpers:
         """In a forked child: no helper came along, and the lock may have been held by a thread that did not."""
         self._lock = threading.Lock()
         self._pid, self._queue, self._count = os.getpid(), queue.SimpleQueue(), 0
+        _BELL[1] = 0
 
     @staticmethod
     def _serve(q: queue.SimpleQueue[tuple[Callable[..., None], tuple[Any, ...], list[BaseException]]]) -> None:
         while True:
             work, args, errors = q.get()  # sleeps: no CPU while idle (the kernel listened a while first)
+            _queued(_BELL, -1)
             try:
                 work(*args)
             except BaseException as e:  # noqa: BLE001 - handed to the caller, which raises it
