@@ -27,6 +27,10 @@ raised by the caller); phase ``p`` (at most 3) claims from slot ``1 + 2p`` and c
 finished items in slot ``2 + 2p``. A kernel with two phases (groups, then the chains
 that need all of them) waits for the first to finish before claiming in the second
 (:func:`wait`).
+
+As for ``_simd``: the kernels inline ``claim``, ``arrive`` and ``leave``, and numba keys a
+kernel's disk cache by the kernel's own source file, so after changing code here clear
+the ``__pycache__`` of the modules that use it.
 """
 
 from __future__ import annotations
