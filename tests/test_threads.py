@@ -60,6 +60,68 @@ def test_a_helper_that_fails_raises_its_error_in_the_caller(monkeypatch) -> None
         spread(work, (4,), 4)
 
 
+def test_a_caller_that_fails_closes_its_call_before_raising(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The caller's kernel raises holding an item it never finishes, while a helper waits for that phase to end
+    (as ``_at_claimed`` does between its phases): the helper's wait returns, and the error is raised only once
+    no helper is inside the call any more (none may read the call's memory after it returned)."""
+    monkeypatch.setattr(_threads, "threads_here", lambda: 2)
+    _compiled()
+    helper_in, caller_claimed = threading.Event(), threading.Event()
+    events: list[str] = []
+
+    def work(n: int, ctr: np.ndarray, bell: np.ndarray, helper: bool) -> None:
+        if not helper:
+            assert helper_in.wait(30)
+            claim(ctr, 0)
+            caller_claimed.set()
+            raise RuntimeError("caller broke")
+        helper_in.set()
+        assert caller_claimed.wait(30)
+        while claim(ctr, 0) < n:
+            time.sleep(0.05)  # an item still in flight when the caller fails
+            finished(ctr, 0)
+        events.append(f"helper's wait returned {_threads.wait(ctr, 0, n)}")
+
+    with pytest.raises(RuntimeError, match="caller broke"):
+        spread(work, (3,), 3)
+    events.append("raised")
+    assert events == ["helper's wait returned False", "raised"]
+
+
+def _compiled() -> None:
+    """Compile the protocol's own kernels first, so a test's timing is the protocol's, not numba's compiler's."""
+    done = np.zeros(_threads.SLOTS, dtype=np.int64)
+    _threads.wait(done, 0, 0)
+    _threads._close(done)
+
+
+def test_a_helper_that_fails_stops_the_others_before_the_error_is_raised(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setattr(_threads, "threads_here", lambda: 3)
+    _compiled()
+    events: list[str] = []
+    both_in = threading.Barrier(2, timeout=30)
+
+    def work(n: int, ctr: np.ndarray, bell: np.ndarray, helper: bool) -> None:
+        if not helper:
+            while _threads.claimed(ctr, 0) < n:  # the caller claims nothing: the two helpers share the items
+                time.sleep(0.001)
+            return
+        both_in.wait()
+        i = claim(ctr, 0)
+        if i == 0:
+            raise RuntimeError("helper broke")
+        while i < n:
+            time.sleep(0.2 if i == n - 1 else 0.01)  # the last item still in flight when the caller gets to wait
+            finished(ctr, 0)
+            i = claim(ctr, 0)
+        events.append("the other helper stopped")
+
+    with pytest.raises(RuntimeError, match="helper broke"):
+        spread(work, (20,), 20)
+    events.append("raised")
+    assert events == ["the other helper stopped", "raised"]
+
+
 def test_the_caller_does_not_wait_for_a_helper_that_has_not_started(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     monkeypatch.setattr(_threads, "threads_here", lambda: 2)
     go = threading.Event()

@@ -22,9 +22,12 @@ caller rings for it on entering the kernel (``arrive``), once it no longer holds
 GIL itself. Back-to-back digests then neither wake a sleeping thread nor hand the GIL
 back and forth.
 
-The counter is an ``int64`` array: slot 0 is set when a helper failed (its error is
+The counter is an ``int64`` array: slot 0 is set when a participant failed (its error is
 raised by the caller); phase ``p`` (at most 3) claims from slot ``1 + 2p`` and counts
-finished items in slot ``2 + 2p``. A kernel with two phases (groups, then the chains
+finished items in slot ``2 + 2p``; slot 7 counts the helpers inside the call's kernel.
+A call that fails (the caller's kernel raised, a helper failed, an interrupt) is closed
+before its error is raised: nothing is left to claim, every wait returns, and the caller
+waits for the helpers still inside, so none reads the call's memory after it returned. A kernel with two phases (groups, then the chains
 that need all of them) waits for the first to finish before claiming in the second
 (:func:`wait`).
 
@@ -48,7 +51,7 @@ from numba.extending import intrinsic
 
 __all__ = ["SLOTS", "claim", "claimed", "finished", "arrive", "leave", "wait", "spread", "threads_here"]
 
-SLOTS = 7  # the failure flag, then (next, finished) for up to 3 phases
+SLOTS = 8  # the failure flag, (next, finished) for up to 3 phases, then helpers inside the call's kernel
 # A helper done with its work listens for the next call this many reads (~150 us) inside the kernel before
 # it goes back to Python and sleeps. Waking a sleeping thread costs ~0.2 ms in a VM, and a helper back in
 # Python takes the GIL from a caller still busy between two calls: back-to-back digests of a few MiB each
@@ -130,6 +133,23 @@ def _fail(ctr):  # type: ignore[no-untyped-def]
 
 
 @njit(nogil=True, cache=True)
+def _close(ctr):  # type: ignore[no-untyped-def]
+    """A failed call: flag it (in-kernel waits return), leave nothing to claim, and wait for the helpers inside
+    to finish their item in flight."""
+    _fetch_add(ctr, 0, 1)
+    for p in range(3):
+        _fetch_add(ctr, 1 + 2 * p, 1 << 40)
+    while _fetch_add(ctr, 7, 0) > 0:
+        pass
+
+
+@njit(nogil=True, cache=True)
+def _inside(ctr, k):  # type: ignore[no-untyped-def]
+    """A helper enters (``k = 1``) or leaves (``k = -1``) a call's kernel."""
+    _fetch_add(ctr, 7, k)
+
+
+@njit(nogil=True, cache=True)
 def _queued(bell, k):  # type: ignore[no-untyped-def]
     """Count ``k`` more requests queued for helpers (atomically: asked and taken on different threads)."""
     _fetch_add(bell, 1, k)
@@ -160,9 +180,13 @@ class _Helpers:
                 threading.Thread(target=self._serve, args=(self._queue,), name=f"wcviz-digest-{self._count}", daemon=True).start()
                 self._count += 1
             q = self._queue
-            _queued(_BELL, k)
-        for _ in range(k):
-            q.put((work, args, errors))
+        put = 0
+        try:
+            for _ in range(k):
+                q.put((work, args, errors))
+                put += 1
+        finally:
+            _queued(_BELL, put)
 
     def forget(self) -> None:
         """In a forked child: no helper came along, and the lock may have been held by a thread that did not."""
@@ -175,12 +199,16 @@ class _Helpers:
         while True:
             work, args, errors = q.get()  # sleeps: no CPU while idle (the kernel listened a while first)
             _queued(_BELL, -1)
+            ctr = args[-3]
+            _inside(ctr, 1)
             try:
                 work(*args)
             except BaseException as e:  # noqa: BLE001 - handed to the caller, which raises it
                 errors.append(e)
-                _fail(args[-3])
-            del work, args, errors  # hold no tensor while idle
+                _fail(ctr)
+            finally:
+                _inside(ctr, -1)
+            del work, args, errors, ctr  # hold no tensor while idle
 
 
 _HELPERS = _Helpers()
@@ -199,11 +227,18 @@ def spread(work: Callable[..., None], args: tuple[Any, ...], items: int, *, last
     """
     ctr = np.zeros(SLOTS, dtype=np.int64)
     k = min(threads_here(), items) - 1
+    if k <= 0:
+        work(*args, ctr, _BELL, False)
+        return
     errors: list[BaseException] = []
-    if k > 0:
+    phase, n = last if last is not None else (0, items)
+    try:
         _HELPERS.ask(k, work, (*args, ctr, _BELL, True), errors)
-    work(*args, ctr, _BELL, False)
-    if k > 0:
-        phase, n = last if last is not None else (0, items)
-        if not wait(ctr, phase, n):
-            raise errors[0] if errors else RuntimeError("a digest helper thread failed")
+        work(*args, ctr, _BELL, False)
+        done = wait(ctr, phase, n)
+    except BaseException:
+        _close(ctr)  # (the caller failed, or was interrupted: no helper may go on reading the call's memory)
+        raise
+    if not done:
+        _close(ctr)
+        raise errors[0] if errors else RuntimeError("a digest helper thread failed")
