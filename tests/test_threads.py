@@ -163,7 +163,7 @@ def _ticks(tid: int) -> int:
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="per-thread CPU times from /proc (Linux)")
 def test_helpers_burn_no_cpu_while_idle() -> None:
     if _threads.threads_here() < 2:
-        pytest.skip("one kernel thread here: no helper to watch")
+        pytest.skip("needs 2 or more kernel threads (NUMBA_NUM_THREADS, CPUs): with one, no helper exists to watch")
     lanes = np.random.default_rng(3).integers(0, 2**63, 8 * _numba._SERIAL_BELOW, dtype=np.uint64)
     for _ in range(20):
         _numba.lanes_digest(lanes, (1, 2))
@@ -184,10 +184,10 @@ def _child_digest(n: int) -> tuple[tuple[int, int], int]:
     return got, sum(t.is_alive() for t in _helper_threads())
 
 
-@pytest.mark.skipif("fork" not in mp.get_all_start_methods(), reason="fork start method")
+@pytest.mark.skipif("fork" not in mp.get_all_start_methods(), reason="needs the fork start method (POSIX)")
 def test_a_forked_child_gets_helpers_of_its_own() -> None:
     if _numba.numba.config.NUMBA_NUM_THREADS < 2:
-        pytest.skip("one kernel thread here")
+        pytest.skip("needs 2 or more kernel threads (NUMBA_NUM_THREADS, CPUs): with one, a child starts no helper")
     n = 8 * _numba._SERIAL_BELOW + 5
     lanes = np.random.default_rng(5).integers(0, 2**63, n, dtype=np.uint64)
     want = _numba._digest_serial(lanes, np.uint64(3), np.uint64(4))

@@ -51,7 +51,7 @@ def _floor_claimed(a, reps, tasks, out, ctr, bell, helper):  # type: ignore[no-u
     if t >= tasks:
         return
     while claimed(ctr, 0) < tasks:
-        pass
+        continue  # the start gate: spin (a few µs) until every task has its thread
     out[t] = _floor_pass(a, reps)
     finished(ctr, 0)
 
