@@ -304,7 +304,8 @@ def test_stop_frees_port_and_joins_thread() -> None:
     agent.stop()
     agent.stop()  # idempotent
     assert not agent.running and agent.url is None
-    leftover = [t for t in set(threading.enumerate()) - before if t.is_alive() and t.name != "tqdm_monitor"]
+    # (the digest kernel's helpers live as long as the process, whoever started them: not the agent's)
+    leftover = [t for t in set(threading.enumerate()) - before if t.is_alive() and t.name != "tqdm_monitor" and not t.name.startswith("wcviz-digest-")]
     assert leftover == []
     with socket.socket() as s:  # the port is free again
         s.bind(("127.0.0.1", port))
@@ -545,3 +546,65 @@ def test_retries_back_off_to_at_most_two_seconds() -> None:
 
     pauses = [backoff_s(k) for k in range(1, 40)]
     assert pauses[:3] == [0.1, 0.2, 0.4] and max(pauses) == 2.0 and sum(pauses) < 2.0 * 39
+
+
+@pytest.mark.parametrize(
+    "url",
+    ["http://admin:hunter2@host:abc", "http://admin:hunter2@[::1", "admin:hunter2@host:8000", "https://admin:hunter2@host:99999"],
+)
+def test_a_url_that_does_not_parse_is_refused_without_its_password(url: str) -> None:
+    """The parse failure quoted the URL as given, password and all (wcviz fetch, endstate and verify print it)."""
+    from wcviz.sources._fleet import checked_url
+
+    for kind in ("agent", "engine"):
+        with pytest.raises(ValueError) as info:
+            checked_url(url, kind)
+        assert "hunter2" not in str(info.value) and "admin" not in str(info.value)
+
+
+def test_a_request_in_flight_does_not_hold_up_the_hosts_stop() -> None:
+    """One request waiting on a slow holder (a digest, the host's lock) made stop() wait 2 x timeout_s and then
+    raise, leaving the serving thread running."""
+    release = threading.Event()
+
+    def slow() -> dict[str, torch.Tensor]:
+        release.wait(60)
+        return _weights()
+
+    agent = Agent(slow, role="engine", rank=0)
+    url = agent.start()
+    answers: list[Any] = []
+    client = threading.Thread(target=lambda: answers.append(httpx.get(f"{url}/v1/digests", timeout=60).status_code), daemon=True)
+    client.start()
+    time.sleep(0.5)  # the request is waiting on the holder
+    try:
+        agent.stop(timeout_s=1)  # returns: it used to raise "did not stop within 2 s"
+        assert not agent.running and agent.url is None
+    finally:
+        release.set()
+    client.join(10)
+    assert answers in ([503], [])  # told the agent is stopping, or its connection closed: never a digest after stop
+
+
+def test_an_action_that_ran_is_answered_ok_whatever_its_callable_returned() -> None:
+    """A reset returning a nested numpy value ran, yet was answered HTTP 500: the client counted a poisoned rank as
+    one whose reset failed."""
+    import numpy as np
+
+    ran: list[int] = []
+
+    def reset() -> dict[str, Any]:
+        ran.append(1)
+        return {"per_dtype": {"float32": np.int64(2)}, "took": [np.float32(0.5), float("inf")], "src": object()}
+
+    agent = Agent(_weights, role="engine", rank=0, token="t", allow_mutations=True, reset=reset)
+
+    async def go() -> httpx.Response:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=agent.app), base_url="http://x") as c:
+            return await c.post("/v1/reset", headers={"Authorization": "Bearer t"})
+
+    r = asyncio.run(go())
+    assert ran == [1] and r.status_code == 200, r.text
+    result = r.json()["result"]
+    assert result["per_dtype"] == {"float32": 2} and result["took"][0] == 0.5 and result["took"][1] == "inf"
+    assert result["src"].startswith("<object object at")

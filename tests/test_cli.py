@@ -454,3 +454,14 @@ def test_bench_refuses_bad_arguments_before_measuring_anything(capsys, monkeypat
     rc, _, err = _run(capsys, "bench", "--quick", *argv)
     assert rc == 2
     _assert_clean_error(err, why)
+
+
+def test_fetch_with_a_name_filter_that_matches_nothing_exits_1(capsys: pytest.CaptureFixture[str]) -> None:
+    """A typo in --name printed no row and '1 of 1 ranks answered', exit 0: read as a clean fetch."""
+    from wcviz.agent import Agent
+
+    with Agent(lambda: {"model.layers.0.mlp.up_proj.weight": torch.zeros(2)}, role="engine", rank=0) as agent:
+        assert main(["fetch", str(agent.url), "--name", r"layers\.99\."]) == 1
+        err = capsys.readouterr().err
+        assert "no parameter name matches --name 'layers\\\\.99\\\\.' on any of the 1 rank(s) that answered" in err
+        assert main(["fetch", str(agent.url), "--name", r"layers\.0\."]) == 0

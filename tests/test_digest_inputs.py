@@ -198,3 +198,41 @@ def test_threads_digesting_at_once_agree_and_do_not_abort_the_process() -> None:
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
     assert "agreed 4" in done.stdout
+
+
+@pytest.mark.parametrize("storage", [0, 64])
+def test_a_tensor_whose_storage_was_freed_under_it_is_refused_by_name_on_every_path(storage: int) -> None:
+    """FSDP frees a resharded parameter with ``untyped_storage().resize_(0)``. The numba path read the tensor's bytes
+    where it said they were: a segfault, or (storage shrunk to a little) a different digest on every call."""
+    big = torch.randn(1 << 22)
+    big.untyped_storage().resize_(storage)
+    view = torch.randn(4096)[8:].t()  # a strided view over storage that is then freed: the torch path copies it
+    view.untyped_storage().resize_(storage)
+    why = rf"tensor 'w' \(torch.float32 \[4194304\]\) reaches 16777216 bytes into its storage, which holds {storage}: its storage was freed"
+    for backend in ("numba", "torch"):
+        with pytest.raises(DigestError, match=why.replace("tensor 'w'", "tensor")):
+            digest_hex(big, backend=backend)
+    with pytest.raises(DigestError, match=why):
+        digest_many({"ok": torch.ones(3), "w": big})
+    with pytest.raises(DigestError, match=r"tensor 'v' \(torch.float32 \[4088\]\) reaches 16384 bytes"):
+        digest_many([("v", view), ("ok", torch.ones(3))], backend="torch")
+    acc = DigestAccumulator()
+    with pytest.raises(DigestError, match=why):
+        acc.add_many([("ok", torch.ones(3)), ("w", big)])
+    assert len(acc) == 0
+
+
+def test_add_many_adds_all_or_nothing_and_takes_a_mapping() -> None:
+    """A failed add_many left the tensors before the bad one added, so the corrected retry was refused as duplicates;
+    a mapping (as digest_many takes) was read as its keys."""
+    a, b, c = torch.randn(4), torch.randn(5), torch.randn(6)
+    acc = DigestAccumulator()
+    for bad in (torch.empty(3, device="meta"), torch.randn(3).to_sparse()):
+        with pytest.raises(DigestError, match="tensor 'bad' is"):
+            acc.add_many([("a", a), ("b", b), ("bad", bad), ("c", c)])
+        assert len(acc) == 0
+    acc.add_many({"a": a, "b": b, "bad": torch.zeros(3), "c": c})  # the retry, as a mapping
+    assert acc.hex() == digest_many([("a", a), ("b", b), ("bad", torch.zeros(3)), ("c", c)])
+    with pytest.raises(DigestError, match="duplicate parameter names: a, c"):
+        acc.add_many({"a": a, "d": torch.ones(1), "c": c})
+    assert len(acc) == 4

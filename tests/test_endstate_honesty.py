@@ -254,8 +254,8 @@ def test_a_row_claiming_no_bytes_for_a_shape_with_elements_proves_nothing() -> N
 
 
 def test_a_rank_whose_first_action_timed_out_keeps_its_coordinates() -> None:
-    """A snapshot action that outlasts the timeout, before any digests named the rank: still 2 ranks, not a third
-    without coordinates."""
+    """A snapshot action that outlasts the timeout, before any digests named the rank: named by its coordinates (not
+    a third rank without them), and, its snapshot in doubt, nothing is reset."""
     import time as _time
 
     class Slow(Counting):
@@ -265,10 +265,10 @@ def test_a_rank_whose_first_action_timed_out_keeps_its_coordinates() -> None:
 
     two = [Counting(0, 0), Slow(1, 1)]
     with two[0].agent, two[1].agent:
-        report = check_agents([r.agent.url for r in two], token=TOKEN, timeout_s=2, retries=0)
-    line = report.summary.splitlines()[0]
-    assert line.startswith("end-state check: 2 ranks"), line
-    assert report.problems["rank"].notna().all() and set(report.problems["tp"]) == {1}
+        # alive (its digests answered) but its snapshot is in doubt: stopped before the reset, named by its rank
+        with pytest.raises(SnapshotUnusable, match=r"the snapshot failed on 1 rank that otherwise answered.*nothing was poisoned\): engine 1 \(pp=0 tp=1\) at http.*timed out") as info:
+            check_agents([r.agent.url for r in two], token=TOKEN, timeout_s=2, retries=0)
+    assert "engine 0" not in str(info.value) and [r.resets for r in two] == [0, 0]
 
 
 @pytest.mark.parametrize("token", [TOKEN + "\n", " " + TOKEN, "pässwort"])
@@ -277,3 +277,47 @@ def test_a_token_no_header_can_carry_is_refused_before_any_rank_is_touched(two: 
         check_agents(_urls(two), token=token)
     assert token.strip() not in str(info.value)  # a secret is never echoed
     assert [r.resets for r in two] == [0, 0] and all(r.intact() for r in two)
+
+
+def test_a_snapshot_that_failed_on_a_living_rank_stops_the_check_before_any_reset() -> None:
+    """A rank whose snapshot raised (HTTP 500) was still reset: a reload that restores what its snapshot recorded
+    then left it poisoned, for a check that could not conclude."""
+
+    class NoRoom(Counting):
+        def __init__(self, rank: int, tp: int) -> None:
+            super().__init__(rank, tp)
+
+            def snapshot() -> None:
+                raise MemoryError("cannot hold a host copy of the weights")
+
+            self.agent._actions["snapshot"] = snapshot  # type: ignore[attr-defined]
+
+    two = [Counting(0, 0), NoRoom(1, 1)]
+    with two[0].agent, two[1].agent:
+        with pytest.raises(SnapshotUnusable, match=r"the snapshot failed on 1 rank that otherwise answered.*nothing was poisoned\): engine 1 \(pp=0 tp=1\) at http.*HTTP 500: MemoryError: cannot hold"):
+            check_agents([r.agent.url for r in two], token=TOKEN, retries=0)
+    assert [r.resets for r in two] == [0, 0] and all(r.intact() for r in two)
+
+
+def test_a_living_rank_whose_snapshot_digests_did_not_come_stops_the_check_but_a_dead_rank_does_not() -> None:
+    """A rank that took the snapshot action but whose digests timed out was reset with nothing to compare against.
+    A rank silent to both (dead) is still reported unreachable while the living ranks are checked."""
+    import httpx
+
+    two = [Counting(0, 0), Counting(1, 1)]
+    first = {"dropped": False}
+
+    class DropFirstGet(httpx.AsyncHTTPTransport):
+        async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+            if str(request.url).startswith(str(two[1].agent.url)) and request.method == "GET" and not first["dropped"]:
+                first["dropped"] = True
+                raise httpx.ConnectTimeout("timed out (transient)", request=request)
+            return await super().handle_async_request(request)
+
+    with two[0].agent, two[1].agent:
+        with pytest.raises(SnapshotUnusable, match=rf"failed on 1 rank that otherwise answered.*\): {two[1].agent.url}: ConnectTimeout"):
+            check_agents([r.agent.url for r in two], token=TOKEN, retries=0, transport=DropFirstGet())
+        assert first["dropped"] and [r.resets for r in two] == [0, 0]
+        report = check_agents([r.agent.url for r in two] + [_dead_url()], token=TOKEN, timeout_s=2, retries=0)
+    assert [r.resets for r in two] == [1, 1] and all(r.intact() for r in two)
+    assert len(report.unreachable) == 1 and set(report.verdicts.loc[report.verdicts["rank"].notna(), "status"]) == {"match"}

@@ -210,3 +210,25 @@ def test_answers_under_the_caps_read_as_before() -> None:
     with pytest.raises(EngineEndpointError, match="HTTP 500: é"):
         vllm_weight_checker("http://v", "checksum", transport=latin, timeout_s=5)
     assert vllm_collective_rpc("http://v", "m", transport=_answering(b'{"results": [1, {"a": [2]}]}'), timeout_s=5) == [1, {"a": [2]}]
+
+
+@pytest.mark.parametrize("token", ["TOPSECRET-KEY\n", " TOPSECRET-KEY", "TOPSECRET-KÉY"])
+def test_an_engine_key_no_header_can_carry_is_refused_before_anything_is_sent_and_never_echoed(token: str) -> None:
+    """A key read from a mounted secret (a trailing newline) went into the header; the client's error quoted the
+    header, key and all, and the CLI printed it."""
+    sent: list[httpx.Request] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        sent.append(request)
+        return httpx.Response(200, json={})
+
+    transport = httpx.MockTransport(handler)
+    calls: list[Callable[[], Any]] = [
+        lambda: vllm_weight_checker("http://engine:8000", "checksum", token=token, transport=transport),
+        lambda: sglang_request("http://engine:30000", "checksum", token=token, transport=transport),
+    ]
+    for call in calls:
+        with pytest.raises(ValueError, match=r"token \(the engine's API key\)") as info:
+            call()
+        assert "TOPSECRET" not in str(info.value)
+    assert sent == []

@@ -231,6 +231,10 @@ def _scenarios() -> list[dict[str, Any]]:
             "send_kwargs": {"partial": True},
             "faults": FaultPlan((Fault("drop_param", "receiver_before_load", (NORM,), ranks=(1,)),)),
         },
+        # faults that would strike no one: a buffer past the last one for one rank, a rank that is not an engine
+        {"name": "ranked drop past the end", "verify": "enforce", "faults": FaultPlan((Fault("drop_buffer", "wire", buffer=99, ranks=(1,)),))},
+        {"name": "fault on a rank not receiving", "verify": "enforce", "faults": FaultPlan((Fault("flip_bit", "wire", (NORM,), ranks=(7,)),))},
+        {"name": "fault on the sender's rank", "verify": "log", "faults": FaultPlan((Fault("flip_bit", "receiver_before_load", (NORM,), ranks=(0,)),))},
         # the caller's names for the ranks (a cluster numbers its engines from 0), in warnings and errors
         {"name": "labelled log", "verify": "log", "label": True, "faults": FaultPlan((Fault("flip_bit", "wire", (NORM,), ranks=(2,)),))},
         {"name": "labelled enforce", "verify": "enforce", "label": True, "faults": FaultPlan((Fault("flip_bit", "wire", (NORM,), ranks=(2,)),))},
@@ -788,6 +792,26 @@ def test_a_peer_dying_mid_stream_is_a_timeout_not_a_hang(world):
 
 
 # --- in-process checks of the pieces ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "name,reason",
+    [
+        ("ranked drop past the end", r"fault drop_buffer names buffer 99, but this send packs \d+ buffer\(s\)"),
+        ("fault on a rank not receiving", r"fault flip_bit at wire names rank\(s\) \[7\], which receive nothing; the receivers are \[1, 2\]"),
+        ("fault on the sender's rank", r"fault flip_bit at receiver_before_load names rank\(s\) \[0\], which receive nothing"),
+    ],
+)
+def test_a_fault_that_strikes_no_engine_is_refused_before_anything_is_sent(world, name, reason):
+    """A drop_buffer past the last buffer limited to some ranks (the sender checked only its own faults) and a fault
+    on a rank that receives nothing were silent no-ops: the refit verified as if the fault had been tried."""
+    sent = rec(world, name, 0)
+    assert sent["error"]["type"] == "ValueError" and re.search(reason, sent["error"]["message"]), sent.get("error")
+    untouched = {n: raw(t) for n, t in TinyLlama().weights().items()}
+    for rank in ENGINES:
+        got = rec(world, name, rank)
+        assert got["error"]["type"] == "RefitProtocolError" and "the sender aborted the stream" in got["error"]["message"]
+        assert got["state"] == untouched
 
 
 def test_construction_checks():

@@ -603,7 +603,7 @@ def test_pack_into_a_too_small_buffer_fails():
 def test_packing_exports():
     assert set(_packing.__all__) == {
         "ALIGN", "aligned", "Bucket", "plan", "walk", "pack", "unpack", "Meta", "NamedTensors", "metadata", "metadata_of",
-        "named_tensors", "nbytes", "fingerprint", "framing_problems",
+        "named_tensors", "nbytes", "fingerprint", "framing_problems", "sendable",
     }  # fmt: skip
 
 

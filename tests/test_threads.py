@@ -220,3 +220,64 @@ def test_threads_digesting_at_once_get_their_own_digests_and_leave_no_request_be
             break
         time.sleep(0.01)
     assert _threads._BELL[1] == 0
+
+
+def test_an_interrupt_between_queueing_and_counting_leaves_no_count_behind() -> None:
+    """The count of requests queued for helpers was kept by each side; an interrupt just after a put left it off by
+    one for good (a helper then listened while work waited for it, or never listened at all)."""
+    import os
+    import queue as queue_mod
+
+    n = 4 * _numba.GROUP * _numba.BLOCK + 3
+    lanes = np.random.default_rng(3).integers(0, 2**63, n, dtype=np.uint64)
+    want = _numba.lanes_digest(lanes, (1, 2))  # helpers started
+
+    class InterruptAfterPut:
+        def __init__(self, q: queue_mod.SimpleQueue) -> None:  # type: ignore[type-arg]
+            self.q, self.armed = q, True
+
+        def put(self, item: object) -> None:
+            self.q.put(item)
+            if self.armed:
+                self.armed = False
+                raise KeyboardInterrupt
+
+        def qsize(self) -> int:
+            return self.q.qsize()
+
+    helpers = _threads._HELPERS
+    real = helpers._queue
+    helpers._queue, helpers._pid = InterruptAfterPut(real), os.getpid()  # type: ignore[assignment]
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            _numba.lanes_digest(lanes, (1, 2))
+    finally:
+        helpers._queue = real
+    for _ in range(3):
+        assert _numba.lanes_digest(lanes, (1, 2)) == want
+    for _ in range(500):
+        if _threads._BELL[1] == 0:
+            break
+        time.sleep(0.01)
+    assert _threads._BELL[1] == 0 and real.qsize() == 0
+
+
+def test_the_failure_path_is_compiled_before_the_first_call_with_helpers() -> None:
+    """Compiled lazily, the close of a failed call ran the compiler (or loaded its cache) first: a second Ctrl-C
+    there left helpers reading the call's memory after the call had raised. A fresh process, whose first call
+    with helpers succeeds, holds them compiled."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent("""
+        import numpy as np
+        from wcviz.digest import _numba, _threads
+        assert not _threads._close.signatures
+        _numba.set_threads(2)
+        _numba.lanes_digest(np.ones(4 * _numba.GROUP * _numba.BLOCK + 3, dtype=np.uint64), (1, 2))
+        print(len(_threads._close.signatures), len(_threads._fail.signatures), len(_threads.wait.signatures))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=Path(__file__).parents[1])
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["1", "1", "1"]

@@ -168,3 +168,19 @@ def test_wire_tables_round_trip_and_refuse_what_is_not_a_table() -> None:
     for body, why in (([], "did not answer {'rows'"), ({"rows": [1]}, "list of row dicts"), ({"rows": [{"x": 1}]}, "unknown column(s) x")):
         with pytest.raises(WireError, match=why.replace("(", r"\(").replace(")", r"\)")):
             table_of_body(body)
+
+
+def test_a_rank_listing_a_name_under_two_phases_in_one_answer_fails_that_rank() -> None:
+    """Duplicates were keyed by (url, name, phase): an answer listing 'a' twice, once as 'snapshot', with its info
+    counting 2 parameters, passed as complete while 'b' was never listed."""
+    digest = "0" * 32
+    same = {"algo": "nemo-rl-v3", "role": "engine", "rank": 0, "dp": None, "pp": None, "tp": 0, "ep": None, "host": "h", "phase": "current"}
+    info = {"role": "engine", "rank": 0, "dp": None, "pp": None, "tp": 0, "ep": None, "host": "h", "params": 2}
+    body = {"rows": [{**same, "name": "a", "digest": digest}, {**same, "name": "a", "digest": digest, "phase": "snapshot"}]}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, json=info if request.url.path == "/v1/info" else body)
+
+    res = fetch(["http://a:1"], transport=httpx.MockTransport(handler), retries=0)
+    assert not res.complete and len(res.frame) == 0
+    assert res.failed["kind"].tolist() == ["failed"] and "lists parameter 'a' more than once" in res.errors["http://a:1"]

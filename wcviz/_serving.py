@@ -29,11 +29,13 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 __all__ = ["guarded_protocol", "serve_in_thread", "stop_server"]
 
 _STALL_S = 10.0  # a client that takes none of a response for this long has stopped reading: its slot is freed
+_IDLE_JOIN_S = 0.2  # how long a stopping server waits for its idle workers to exit (a busy one is not waited for)
 
 
 def serve_in_thread(
@@ -49,16 +51,29 @@ def serve_in_thread(
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off", **config))
     failure: list[BaseException] = []
 
+    prefix = f"{name}-work-{id(server):x}"
+
     def serve() -> None:
         # A fresh loop in this thread; uvicorn installs signal handlers only on the main thread.
         loop = asyncio.new_event_loop()
+        executor = ThreadPoolExecutor(thread_name_prefix=prefix)  # the requests' blocking work (run_in_executor)
+        loop.set_default_executor(executor)
         try:
             loop.run_until_complete(server.serve())
         except BaseException as e:  # noqa: BLE001 - includes uvicorn's SystemExit on bind failure
             failure.append(e)
-        finally:
-            loop.run_until_complete(loop.shutdown_default_executor())
+        finally:  # never waits for work a request started (a digest of the host's weights, a holder blocked on the
+            # host's lock): cancelled requests are let go of, idle workers joined, a busy one left to end on its own
+            pending = [t for t in asyncio.all_tasks(loop) if not t.done()]
+            for task in pending:
+                task.cancel()
+            if pending:
+                loop.run_until_complete(asyncio.wait(pending, timeout=0.5))
+            executor.shutdown(wait=False, cancel_futures=True)
             loop.close()
+            deadline = time.monotonic() + _IDLE_JOIN_S
+            for worker in [t for t in threading.enumerate() if t.name.startswith(prefix)]:
+                worker.join(max(0.0, deadline - time.monotonic()))
 
     thread = threading.Thread(target=serve, name=name, daemon=True)
     thread.start()

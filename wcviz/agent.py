@@ -43,6 +43,7 @@ Security model, for an agent that lives inside an engine or trainer process:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import ipaddress
 import operator
@@ -138,9 +139,10 @@ class _HostGuard:
     over the network (an in-process transport: nothing to rebind).
     """
 
-    def __init__(self, app: Any, hosts: Callable[[], frozenset[str] | None]) -> None:
+    def __init__(self, app: Any, hosts: Callable[[], frozenset[str] | None], stopping: Callable[[], bool] = lambda: False) -> None:
         self.app = app
         self.hosts = hosts
+        self.stopping = stopping
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         allowed = self.hosts() if scope["type"] in ("http", "websocket") else None
@@ -153,7 +155,14 @@ class _HostGuard:
                                        "start the agent with allowed_hosts=[...] to serve another name")  # fmt: skip
                 await response(scope, receive, send)
                 return
-        await self.app(scope, receive, send)
+        try:
+            await self.app(scope, receive, send)
+        except asyncio.CancelledError:
+            if not self.stopping():  # a client that gave up (an in-process transport's timeout): cancelled, as asked
+                raise
+            # the agent's stop cancelled this request: answered, not logged as a crash in the host's log
+            with contextlib.suppress(Exception):
+                await _error(503, "the agent is stopping")(scope, receive, send)
 
 
 def _machine_names() -> set[str]:
@@ -170,9 +179,28 @@ def _machine_names() -> set[str]:
 async def _in_thread(fn: Callable[[], Any]) -> Any:
     """Run blocking work (digesting, a reset) off the event loop, in the loop's default executor.
 
-    The serving thread shuts that executor down on stop, so no worker thread outlives the agent.
+    On stop the serving thread cancels the requests still waiting here and shuts the executor down without
+    waiting: work a request started (a digest, a holder blocked on the host's lock) cannot hold up the host's stop;
+    it ends on its own, its answer dropped.
     """
     return await asyncio.get_running_loop().run_in_executor(None, fn)
+
+
+def _said(v: Any, depth: int = 0) -> Any:
+    """What an action's callable returned, as JSON whatever it holds: numpy values as numbers, nested containers
+    followed (8 deep), a non-finite float or anything else as its (short) text."""
+    import math
+
+    if isinstance(v, dict) and depth < 8:
+        return {str(k): _said(x, depth + 1) for k, x in v.items()}
+    if isinstance(v, (list, tuple)) and depth < 8:
+        return [_said(x, depth + 1) for x in v]
+    if hasattr(v, "item") and getattr(v, "size", 1) == 1 and not isinstance(v, (str, bytes)):
+        with contextlib.suppress(Exception):
+            v = v.item()
+    if v is None or isinstance(v, (bool, int, str)) or (isinstance(v, float) and math.isfinite(v)):
+        return v
+    return repr(v)[:200]
 
 
 def _json_value(v: Any) -> Any:
@@ -268,6 +296,7 @@ class Agent:
         self.max_connections = int(max_connections)
         self.header_timeout_s = float(header_timeout_s)
         self._served_hosts: frozenset[str] | None = None  # set while served over the network
+        self._stopping = False  # stop() is cancelling what requests still run
         self.app = self._make_app()
 
     # ---- the app -------------------------------------------------------------------------
@@ -290,7 +319,7 @@ class Agent:
 
         from starlette.middleware import Middleware
 
-        guard = Middleware(_HostGuard, hosts=lambda: self._served_hosts)
+        guard = Middleware(_HostGuard, hosts=lambda: self._served_hosts, stopping=lambda: self._stopping)
         return Starlette(routes=routes, exception_handlers={HTTPException: http_error}, middleware=[guard])
 
     def _identity(self) -> dict[str, Any]:
@@ -371,8 +400,8 @@ class Agent:
 
             result = await _in_thread(run)
             body = {"ok": True, "action": action, **self._identity()}
-            if isinstance(result, dict):  # what the callable says it did (counts, the source reloaded from)
-                body["result"] = {str(k): _json_value(v) for k, v in result.items()}
+            if isinstance(result, dict):  # what the callable says it did (counts, the source reloaded from): the action
+                body["result"] = _said(result)  # ran, so whatever it returned must not turn its answer into an error
             return JSONResponse(body)
 
         return endpoint
@@ -411,7 +440,11 @@ class Agent:
             return
         from wcviz._serving import stop_server
 
-        stop_server(server, thread, f"agent at {self.url}", timeout_s)
+        self._stopping = True
+        try:
+            stop_server(server, thread, f"agent at {self.url}", timeout_s)
+        finally:
+            self._stopping = False
         self._server = self._thread = None
         self.url = None
         self._served_hosts = None

@@ -51,7 +51,7 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--out", metavar="FILE", help="also write the verdict table here (.csv/.parquet/.json)")
     c.add_argument("--no-progress", action="store_true", help="no progress bar")
 
-    f = sub.add_parser("fetch", help="fetch the digests of running agents over HTTP; exit 1 if a rank did not answer or holds nothing")
+    f = sub.add_parser("fetch", help="fetch the digests of running agents over HTTP; exit 1 if a rank did not answer or holds nothing, or --name matched nothing")
     f.add_argument("urls", nargs="+", metavar="URL", help="agent base URLs (http://host:port)")
     f.add_argument("--out", metavar="FILE", help="write the frame here (.csv/.parquet/.json)")
     f.add_argument("--name", metavar="REGEX", help="only parameters whose name matches")
@@ -216,6 +216,9 @@ def _fetch(args: argparse.Namespace) -> int:
         cols = ["role", "rank"] + [c for c in IDENTITY[1:] if res.frame[c].notna().any()] + _TABLE_COLUMNS
         print(res.frame[cols].to_string(index=False))
     print(res.summary)
+    if args.name is not None and res.answered and not len(res.frame):  # a typo in the filter is not an empty fleet's pass
+        print(f"wcviz: no parameter name matches --name {args.name!r} on any of the {res.answered} rank(s) that answered", file=sys.stderr)
+        return 1
     return 0 if res.complete else 1
 
 

@@ -34,7 +34,7 @@ from wcviz.digest._api import (
 from wcviz.digest._buffers import digest_buffer, digest_buffers
 from wcviz.digest._engines import ENGINE_ALGORITHMS, reference_sglang_gpu
 from wcviz.digest._fill import FILL_ALGORITHMS, fill_digest
-from wcviz.digest._lanes import logical_bytes
+from wcviz.digest._lanes import check_digestible, logical_bytes
 
 __all__ = [
     "ENGINE_ALGORITHMS",
@@ -48,6 +48,7 @@ __all__ = [
     "NamedTensors",
     "TensorMeta",
     "as_pairs",
+    "check_digestible",
     "compare_digests",
     "digest_buffer",
     "digest_buffers",

@@ -226,6 +226,8 @@ def _numba_many(tensors: Sequence[tuple[str, torch.Tensor]], sizes: Sequence[int
             address = t.data_ptr()
             if address == 0 and nbytes:
                 _lanes.check_digestible(t, tensors[i][0])  # a ZeroTensor: refused by name
+            if t.storage_offset() * t.element_size() + nbytes > t.untyped_storage().nbytes():
+                _lanes.check_storage(t, tensors[i][0])  # freed or shrunk under it: read, it would crash the process
             addresses.append(address)
             lanes_of.append(nbytes)
         else:
@@ -473,31 +475,30 @@ class DigestAccumulator:
         """Digest ``t`` under ``name`` (a name may be added once)."""
         if name in self._pending:
             raise DigestError(f"duplicate parameter names: {name}")
-        self._pending[name] = _sha256_of(t, name, self.algo) if self.algo != _spec.ALGO else tensor_digest(t, backend=self.backend, name=name)
+        self._pending[name] = self._one(name, t)
 
-    def add_many(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """:meth:`add` each ``(name, tensor)``, in order; the host tensors that the numba kernel digests go in one
-        batched call (its threads spread over all of them: no thread start and no idle tail per tensor).
-        Every name is checked first: with a duplicate, nothing is added."""
+    def _one(self, name: str, t: torch.Tensor) -> torch.Tensor | Digest:
+        return _sha256_of(t, name, self.algo) if self.algo != _spec.ALGO else tensor_digest(t, backend=self.backend, name=name)
+
+    def add_many(self, named: NamedTensors) -> None:
+        """:meth:`add` each of ``named`` (a mapping, or ``(name, tensor)`` pairs), in order; the host tensors that the
+        numba kernel digests go in one batched call (its threads spread over all of them: no thread start and no
+        idle tail per tensor). All or nothing: a duplicate name or a tensor that cannot be digested adds none."""
         import torch
 
-        items = list(named)
-        seen: set[str] = set()
-        for name, _ in items:
-            if name in self._pending or name in seen:
-                raise DigestError(f"duplicate parameter names: {name}")
-            seen.add(name)
+        items = as_pairs(named)
+        if again := [name for name, _ in items if name in self._pending]:
+            raise DigestError(f"duplicate parameter names: {', '.join(again)}")
         host: list[tuple[str, torch.Tensor]] = []
         if self.algo == _spec.ALGO and len(items) > 1:
             plain = (torch.Tensor, torch.nn.Parameter)
             host = [(n, t) for n, t in items if type(t) in plain and t.layout is torch.strided and not t.is_nested
                     and t.device.type == "cpu" and resolve_backend(self.backend, "cpu", n) == "numba"]
-        done = {n: _hex_words(w) for (n, _), w in zip(host, _words_many(host, "numba").tolist())} if len(host) > 1 else {}
-        for name, t in items:
-            if name in done:
-                self._pending[name] = done[name]
-            else:
-                self.add(name, t)
+        done: dict[str, torch.Tensor | Digest] = {}
+        if len(host) > 1:
+            done = {n: _hex_words(w) for (n, _), w in zip(host, _words_many(host, "numba").tolist())}
+        fresh = {name: done[name] if name in done else self._one(name, t) for name, t in items}
+        self._pending.update(fresh)  # only once every one of them is digested
 
     def hex(self) -> dict[str, Digest]:
         """Every digest so far, as ``{name: Digest}`` in the order added; one sync per device."""

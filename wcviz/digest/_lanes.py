@@ -16,7 +16,7 @@ from wcviz._errors import DigestError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["check_digestible", "logical_bytes", "lanes_of", "seed_args"]
+__all__ = ["check_digestible", "check_storage", "logical_bytes", "lanes_of", "seed_args"]
 
 
 
@@ -49,6 +49,22 @@ def check_digestible(t: object, name: str | None = None) -> None:
         raise DigestError(
             f"{_label(name)} is a ZeroTensor (autograd's all-zero placeholder, with no storage); "
             "digest torch.zeros(t.shape, dtype=t.dtype) if its zeros are what you mean"
+        )
+    check_storage(t, name)
+
+
+def check_storage(t: torch.Tensor, name: str | None = None) -> None:
+    """A :class:`DigestError` naming ``name`` if ``t``'s storage is smaller than its elements reach: storage freed
+    or shrunk under a live tensor (FSDP frees a resharded parameter with ``untyped_storage().resize_(0)``). Read
+    anyway, such a tensor crashes the process or digests whatever memory lies beyond."""
+    if t.numel() == 0 or t.is_quantized:  # (quint4x2 packs elements in a byte: read through int_repr, checked by torch)
+        return
+    reach = t.storage_offset() + 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    need, have = reach * t.element_size(), t.untyped_storage().nbytes()
+    if have < need:
+        raise DigestError(
+            f"{_label(name)} ({t.dtype} {list(t.shape)}) reaches {need} bytes into its storage, which holds {have}: "
+            "its storage was freed or resized under it (a resharded FSDP parameter?); digest it where its data is whole"
         )
 
 

@@ -58,7 +58,7 @@ SLOTS = 8  # the failure flag, (next, finished) for up to 3 phases, then helpers
 # would pay either every call. Bounded, so an idle host pays at most that once per call, not a core.
 _POLLS = 30_000
 # [0]: rung by the caller of every kernel that may have helpers (``arrive``); [1]: requests queued for helpers
-# and not yet taken (``_queued``; read by ``leave``: a helper with work waiting does not listen)
+# and not yet taken (``_count_queued``; read by ``leave``: a helper with work waiting does not listen)
 _BELL = np.zeros(2, dtype=np.int64)
 
 
@@ -143,16 +143,31 @@ def _close(ctr):  # type: ignore[no-untyped-def]
         continue  # spin: each helper inside finishes at most its item in flight, then listens at most _POLLS reads
 
 
+def _failure_path() -> None:
+    """Compile (or load from the disk cache) what closes a failed call, before the first call with helpers: it
+    must run at once, never after a compile that a second Ctrl-C could interrupt while helpers still read the
+    call's memory. Each kernel is called from Python, as ``spread`` calls it, on a counter of its own."""
+    ctr = np.zeros(SLOTS, dtype=np.int64)
+    _fail(ctr)
+    _close(ctr)
+    wait(ctr, 0, 0)
+
+
 @njit(nogil=True, cache=True)
 def _inside(ctr, k):  # type: ignore[no-untyped-def]
     """A helper enters (``k = 1``) or leaves (``k = -1``) a call's kernel."""
     _fetch_add(ctr, 7, k)
 
 
-@njit(nogil=True, cache=True)
-def _queued(bell, k):  # type: ignore[no-untyped-def]
-    """Count ``k`` more requests queued for helpers (atomically: asked and taken on different threads)."""
-    _fetch_add(bell, 1, k)
+_BELL_LOCK = threading.Lock()
+
+
+def _count_queued(q: queue.SimpleQueue[Any]) -> None:
+    """Set ``_BELL[1]`` to the requests queued for helpers now. Read and written under one lock by whoever last
+    changed the queue, the count is right once the queue is still, even after an interrupt between a put (or a
+    get) and its count: a running count kept by each side would drift for good."""
+    with _BELL_LOCK:
+        _BELL[1] = q.qsize()
 
 
 def threads_here() -> int:
@@ -180,13 +195,11 @@ class _Helpers:
                 threading.Thread(target=self._serve, args=(self._queue,), name=f"wcviz-digest-{self._count}", daemon=True).start()
                 self._count += 1
             q = self._queue
-        put = 0
         try:
             for _ in range(k):
                 q.put((work, args, errors))
-                put += 1
         finally:
-            _queued(_BELL, put)
+            _count_queued(q)
 
     def forget(self) -> None:
         """In a forked child: no helper came along, and the lock may have been held by a thread that did not."""
@@ -198,7 +211,7 @@ class _Helpers:
     def _serve(q: queue.SimpleQueue[tuple[Callable[..., None], tuple[Any, ...], list[BaseException]]]) -> None:
         while True:
             work, args, errors = q.get()  # sleeps: no CPU while idle (the kernel listened a while first)
-            _queued(_BELL, -1)
+            _count_queued(q)
             ctr = args[-3]
             _inside(ctr, 1)
             try:
@@ -230,6 +243,8 @@ def spread(work: Callable[..., None], args: tuple[Any, ...], items: int, *, last
     if k <= 0:
         work(*args, ctr, _BELL, False)
         return
+    if not _close.signatures:
+        _failure_path()
     errors: list[BaseException] = []
     phase, n = last if last is not None else (0, items)
     try:

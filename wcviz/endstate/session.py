@@ -345,6 +345,20 @@ class EndStateSession:
                 f"the snapshot was refused by {plural(len(refused), 'rank')} (the reset would be too), {stop}: "
                 f"{_failures(pd.DataFrame(refused))}"
             )
+        mine = [p for p in self.problems if p["phase"] == "snapshot" and p["kind"] != "empty"]
+        acted = {p["url"]: p["kind"] for p in mine if p["step"] == "snapshot"}
+        fetched = {p["url"]: p["kind"] for p in mine if p["step"] == "digests"}
+        dead = {u for u, k in fetched.items() if k == "unreachable" and acted.get(u) == "unreachable"}
+        broken = [p for p in mine if p["url"] not in dead and (p["step"] == "snapshot" or p["kind"] == "unreachable")]
+        if broken:  # alive (it answered one of the two), yet with no snapshot to compare against: the reset would
+            # poison it for a verdict that cannot come (and a reload restoring what its snapshot recorded could not
+            # restore it). A dead rank, silent to both, is no reason to stop: the living ranks are checked, it is
+            # reported unreachable
+            named = [{**p, **{k: v for k, v in self.fleet.identity(p["url"]).items() if k in ("role", *IDENTITY)}} for p in broken]
+            raise SnapshotUnusable(  # named by what its digests told (a timed-out action came before them)
+                f"the snapshot failed on {plural(len({p['url'] for p in broken}), 'rank')} that otherwise answered, {stop}: "
+                f"{_failures(pd.DataFrame(named))}"
+            )
         failed = self.fetches["snapshot"].failed
         bad = failed[failed["kind"] == "failed"] if len(failed) else failed
         if len(bad):  # alive but unusable (a parameter listed twice, two targets claiming one rank): the reset would

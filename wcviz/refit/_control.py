@@ -180,13 +180,15 @@ class ControlSocket:
         if self._wire_log is not None:
             self._wire_log.append(("send", msg))
 
-    def recv(self, what: str) -> dict[str, Any]:
-        deadline = time.monotonic() + self._timeout_ms / 1000
+    def recv(self, what: str, timeout_s: float | None = None) -> dict[str, Any]:
+        """The next message; ``timeout_s`` (default: the socket's) bounds the wait."""
+        wait_s = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + (self._timeout_ms / 1000 if timeout_s is None else timeout_s)
         while True:
             left_ms = max(0, math.ceil((deadline - time.monotonic()) * 1000))
             if not self._sock.poll(left_ms, zmq.POLLIN):
                 raise RefitTimeout(
-                    f"timed out after {self.timeout_s:g}s waiting for {what} from the {self._peer} at {self.address} "
+                    f"timed out after {wait_s:g}s waiting for {what} from the {self._peer} at {self.address} "
                     f"(is it alive?)"
                 )
             try:

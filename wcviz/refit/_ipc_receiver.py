@@ -17,7 +17,7 @@ from wcviz.refit._packing import metadata as declared_metadata
 from wcviz.refit._shm import AttachedBuffer, BufferHandle, HandleError
 from wcviz.refit._transport import Transport
 from wcviz.refit.config import DEFAULT_TIMEOUT_S, check_timeout
-from wcviz.refit.faults import FaultPlan, as_like, shifted
+from wcviz.refit.faults import FaultPlan, as_like, check_one_receiver, shifted
 from wcviz.refit.verify import RefitProtocolError
 
 if TYPE_CHECKING:
@@ -55,6 +55,7 @@ class _Stream:
     metadata: dict[str, Meta]  # what the receiver declared in this stream's prepare: every batch is sliced with it
     fingerprint: str  # fingerprint(metadata): COMPLETE checks the receiver still declares it
     held: dict[str, torch.Tensor] = field(default_factory=dict)  # swap_params: the first of a pair, until its partner
+    loaded: bool = False  # load_weights was called in this stream: the model may hold part of it
 
 
 class IPCReceiver(Transport):
@@ -90,7 +91,7 @@ class IPCReceiver(Transport):
         self.address = address
         self.metadata: dict[str, Meta] = declared_metadata(metadata)
         self.load_weights = load_weights
-        self.faults = faults or FaultPlan()
+        self.faults = check_one_receiver(faults)
         self._partners: dict[str, str] = {}
         for f in self.faults.at(RECEIVER, kind="swap_params"):
             a, b = f.params
@@ -121,7 +122,9 @@ class IPCReceiver(Transport):
         prepare (a batch or COMPLETE before one is refused): it is where the sender
         learns what this receiver declares. A batch it refuses or
         cannot load is answered with an error, then raised here: the stream is
-        over and the model may hold part of it. Call again for the next refit.
+        over and the model may hold part of it. So is a sender's ``abort`` (it
+        failed after a batch went out): :class:`RefitProtocolError` naming its
+        cause. Call again for the next refit.
         """
         if self._sock is None:
             raise RefitProtocolError(f"receiver at {self.address} is closed")
@@ -163,6 +166,11 @@ class IPCReceiver(Transport):
                     sock.send(reply, "the ack" if op == "batch" else "the final ack")
                     if op == "complete":
                         return reply.get("digests")
+                elif op == "abort":  # the sender refused its own input or failed after prepare: nothing more comes
+                    sock.send({"op": "ack", "ok": True}, "the reply to the abort notice")
+                    why = str(msg.get("error") or "no reason given")[:2000]
+                    held = "this model may hold part of it" if stream is not None and stream.loaded else "nothing was loaded"
+                    raise RefitProtocolError(f"the sender at {self.address} aborted the refit ({why}); {held}")
                 else:
                     error = RefitProtocolError(f"unknown request {op!r} from the sender at {self.address}")
                     sock.send({"op": "ack", "ok": False, "error": str(error)}, "an error reply")
@@ -206,6 +214,7 @@ class IPCReceiver(Transport):
                 _add_all(stream.acc, views)
             try:
                 if views:
+                    stream.loaded = True
                     self.load_weights(views)
             finally:
                 if job is not None:  # it reads the buffer: done before the buffer is freed or acknowledged

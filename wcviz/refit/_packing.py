@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ALIGN", "Bucket", "Meta", "NamedTensors", "aligned", "fingerprint", "framing_problems", "metadata", "metadata_of", "named_tensors", "nbytes", "pack",
-    "plan", "unpack", "walk",
+    "plan", "sendable", "unpack", "walk",
 ]  # fmt: skip
 
 ALIGN = 512
@@ -41,6 +41,22 @@ def named_tensors(items: NamedTensors) -> list[tuple[str, torch.Tensor]]:
     for name, t in pairs:
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"expected (str, torch.Tensor) pairs, got ({name!r:.60}, {type(t).__name__})")
+    return pairs
+
+
+def sendable(items: NamedTensors) -> list[tuple[str, torch.Tensor]]:
+    """:func:`named_tensors`, each of which has bytes to send: a meta, sparse or nested tensor, or a subclass whose
+    bytes are not its own storage, is a TypeError naming it, before anything is sent (mid-stream, the receiver would
+    already hold part of the refit)."""
+    from wcviz._errors import DigestError
+    from wcviz.digest import check_digestible
+
+    pairs = named_tensors(items)
+    for name, t in pairs:
+        try:
+            check_digestible(t, name)
+        except DigestError as e:
+            raise TypeError(f"cannot send {e}") from None
     return pairs
 
 

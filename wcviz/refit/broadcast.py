@@ -91,9 +91,9 @@ from wcviz.refit._checks import expected_per_rank, received_digests
 from wcviz.refit._group import GroupMember, RankLabel, abort_before_prepare, group_ranks
 from wcviz.refit._packing import ALIGN, Meta, NamedTensors, fingerprint, metadata_of, pack, plan, unpack, walk
 from wcviz.refit._packing import metadata as declared_metadata
-from wcviz.refit._packing import named_tensors as tensor_pairs
+from wcviz.refit._packing import sendable
 from wcviz.refit.config import DEFAULT_BUFFER_BYTES
-from wcviz.refit.faults import FaultPlan, Swapper, check_broadcast, check_buffers, check_names, strike
+from wcviz.refit.faults import FaultPlan, Swapper, check_broadcast, check_buffers, check_plan, strike
 from wcviz.refit.verify import RefitDigestMismatch, RefitError, RefitProtocolError, RefitResult, RefitTimeout, compare, warn
 
 __all__ = [
@@ -188,7 +188,7 @@ class Received:
 
 def _pairs(named_tensors: NamedTensors) -> list[tuple[str, torch.Tensor]]:
     try:
-        return tensor_pairs(named_tensors)
+        return sendable(named_tensors)
     except DigestError as e:  # what as_pairs raises for a name given twice (anything else is a TypeError)
         raise BroadcastDuplicateNames(str(e)) from e
 
@@ -267,7 +267,7 @@ class BroadcastSender(GroupMember):
         try:
             items = _pairs(named_tensors)
             want = expected_per_rank(self.metadata, [name for name, _ in items], partial, expected)
-            check_names(self.faults, (name for name, _ in items))  # a fault on a name never sent would test nothing
+            check_plan(self.faults, items, self.receivers)  # a fault that breaks nothing would pass as if it had been tried
             why = ""
             sent = {name: Meta.of(t) for name, t in items}
             nbytes = sum(m.nbytes for m in sent.values())
@@ -306,7 +306,7 @@ class BroadcastSender(GroupMember):
         emit(swap.flush())
         tensors = dict(outgoing)
         buckets = plan([(n, u.numel() * u.element_size()) for n, u in outgoing], self.buffer_bytes)
-        check_buffers(faults, len(buckets))  # before any bucket goes out: the engines get the abort notice
+        check_buffers(self.faults, len(buckets))  # every rank's drops, before any bucket goes out: the engines get the abort notice
         for index, bucket in enumerate(buckets):
             buf = self._staging(bucket.used, bucket.own)
             for name, offset in zip(bucket.names, bucket.offsets):

@@ -17,15 +17,19 @@ parameter is cast to ``dtype`` on that path, same byte size), ``swap_params``
 (two same-size parameters' bytes trade places).
 
 ``ranks`` limits a fault to some receivers where a transport has several (the
-broadcast); empty, the default, strikes every receiver. A fault must name
-parameters that are sent (:func:`check_names`, at each send): a typo would
-otherwise break nothing and the refit would pass as if the fault had been tried.
+broadcast); empty, the default, strikes every receiver. Every fault must break
+something, or the refit would pass as if it had been tried: :func:`check_plan`
+refuses, at each send and before anything is sent, a fault naming a parameter
+that is not sent or a rank that does not receive, and faults that leave the
+bytes as they were (a cast to the parameter's own dtype, a swap of identical
+bytes, two flips of one bit, a shift of zeros); :func:`check_buffers` a
+``drop_buffer`` past the stream's last buffer.
 """
 
 from __future__ import annotations
 
 import difflib
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -33,8 +37,8 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
-    "POINTS", "KINDS", "Fault", "FaultPlan", "Swapper", "as_like", "check_broadcast", "check_buffers", "check_names", "pack_shifted",
-    "shifted", "strike", "swap_named",
+    "POINTS", "KINDS", "Fault", "FaultPlan", "Swapper", "as_like", "check_broadcast", "check_buffers", "check_names", "check_one_receiver", "check_plan",
+    "pack_shifted", "shifted", "strike", "swap_named",
 ]  # fmt: skip
 
 POINTS = ("sender_after_digest", "wire", "receiver_before_load")
@@ -70,8 +74,21 @@ class Fault:
             raise ValueError(f"fault {self.kind} needs {need} parameter name(s), got {list(self.params)}")
         if self.kind == "drop_buffer" and (self.buffer is None or self.point != "wire"):
             raise ValueError("fault drop_buffer needs buffer=<index> and point='wire'")
+        if self.kind == "drop_buffer" and not (isinstance(self.buffer, int) and _is_int(self.buffer) and self.buffer >= 0):  # -1 drops nothing
+            raise ValueError(f"fault drop_buffer needs a buffer index >= 0, got {self.buffer!r}")
+        if self.kind == "flip_bit" and not (_is_int(self.bit) and self.bit >= 0):
+            raise ValueError(f"fault flip_bit needs a bit index >= 0, got {self.bit!r}")
+        if self.kind == "shift_offset" and not (_is_int(self.shift) and self.shift > 0):
+            # 0 moves nothing; a negative shift would write into the parameter before it and blame the wrong name
+            raise ValueError(f"fault shift_offset needs shift > 0 bytes, got {self.shift!r}")
+        if self.kind == "swap_params" and self.params[0] == self.params[1]:
+            raise ValueError(f"fault swap_params needs two different parameters, got {self.params[0]!r} twice")
         if self.kind == "cast_dtype" and not self.dtype:
             raise ValueError("fault cast_dtype needs dtype=<name>, e.g. 'float16'")
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 @dataclass(frozen=True)
@@ -142,6 +159,22 @@ def check_broadcast(plan: FaultPlan | None) -> FaultPlan:
     return plan
 
 
+def check_one_receiver(plan: FaultPlan | None) -> FaultPlan:
+    """``plan`` (None: an empty one) for a transport with one receiver (IPC), where ``ranks`` cannot choose whom a
+    fault strikes: a fault limited to ranks is a ValueError, not a fault applied to whoever receives."""
+    if plan is None:
+        return FaultPlan()
+    if not isinstance(plan, FaultPlan):
+        raise TypeError(f"faults must be a wcviz.refit.FaultPlan, got {type(plan).__name__}")
+    for f in plan.faults:
+        if f.ranks:
+            raise ValueError(
+                f"fault {f.kind} at {f.point} names ranks {list(f.ranks)}, but this transport has one receiver: "
+                "leave ranks empty"
+            )
+    return plan
+
+
 def check_names(plan: FaultPlan, sent: Iterable[str]) -> None:
     """A ValueError naming the first parameter a fault of ``plan`` names that is not in ``sent``, with the nearest
     names sent: a fault on a parameter that never passes would be a silent no-op (a typo, a passing refit)."""
@@ -161,6 +194,95 @@ def check_buffers(plan: FaultPlan, count: int) -> None:
     for f in plan.faults:
         if f.kind == "drop_buffer" and f.buffer is not None and not 0 <= f.buffer < count:
             raise ValueError(f"fault drop_buffer names buffer {f.buffer}, but this send packs {count} buffer(s) (0..{count - 1}): it would drop nothing")
+
+
+def check_plan(plan: FaultPlan, tensors: Sequence[tuple[str, torch.Tensor]], receivers: Iterable[int] | None = None) -> None:
+    """A ValueError, before anything is sent, naming a fault of ``plan`` that would break nothing in a send of ``tensors``.
+
+    ``receivers``: the ranks that receive (the broadcast's engines), whom ``ranks`` may
+    name; None for a transport with one receiver, where ``ranks`` cannot choose. A
+    fault that breaks nothing leaves the refit passing as if it had been tried: a
+    name that is not sent, a rank that does not receive, a flip in an empty
+    parameter, a cast to the parameter's own dtype or to another byte size, a swap of
+    parameters whose bytes are the same, and faults that together leave a parameter's
+    bytes as they were on some receiver (two flips of one bit; a cast or a shift of
+    zeros). The tensors are read only for the parameters the faults name.
+    """
+    check_names(plan, (n for n, _ in tensors))
+    tensor = dict(tensors)
+    ranks = None if receivers is None else sorted(set(receivers))
+    if ranks is None:
+        check_one_receiver(plan)
+    for f in plan.faults:
+        if ranks is not None and (stray := [r for r in f.ranks if r not in ranks]):
+            raise ValueError(
+                f"fault {f.kind} at {f.point} names rank(s) {stray}, which receive nothing; the receivers are {ranks}"
+            )
+        if f.kind == "swap_params":
+            a, b = (tensor[p] for p in f.params)
+            ra, rb = _bytes(a), _bytes(b)
+            if ra.numel() != rb.numel():
+                raise ValueError(f"fault swap_params: {f.params[0]!r} ({ra.numel()} bytes) and {f.params[1]!r} ({rb.numel()} bytes) differ in size")
+            if _same_bytes(ra, rb):
+                raise ValueError(
+                    f"fault swap_params at {f.point}: {f.params[0]!r} and {f.params[1]!r} hold the same bytes, "
+                    "so swapping them changes nothing"
+                )
+    for group in _strike_groups(plan, ranks):
+        for name in dict.fromkeys(p for f in group for p in f.params if f.kind in _PER_PARAM):
+            _check_changes(FaultPlan(group), name, tensor[name])
+
+
+_PER_PARAM = ("flip_bit", "cast_dtype", "shift_offset")
+
+
+def _strike_groups(plan: FaultPlan, ranks: list[int] | None) -> list[tuple[Fault, ...]]:
+    """The distinct sets of faults that strike one receiver: every fault where there is one receiver, else per rank."""
+    if ranks is None:
+        return [plan.faults]
+    groups = {tuple(f for f in plan.faults if not f.ranks or r in f.ranks) for r in ranks}
+    return [g for g in groups if g]
+
+
+def _check_changes(group: FaultPlan, name: str, t: torch.Tensor) -> None:
+    """A ValueError if the per-parameter faults of ``group`` on ``name``, applied in stream order, leave its bytes as they were."""
+    faults = [f for f in group.faults if name in f.params and f.kind in _PER_PARAM]
+    if any(f.kind == "drop_param" for f in group.faults if name in f.params):
+        return  # it never arrives: that is a change
+    described = ", ".join(f"{f.kind} at {f.point}" for f in faults)
+    out: torch.Tensor | None = t
+    for f in faults:
+        if f.kind == "flip_bit" and t.numel() == 0:
+            raise ValueError(f"fault flip_bit at {f.point} on {name!r}: the parameter is empty, it has no bit to flip")
+        if f.kind == "cast_dtype":
+            from wcviz.digest import parse_dtype
+
+            target = parse_dtype(f.dtype or "")
+            if target == t.dtype:
+                raise ValueError(f"fault cast_dtype at {f.point} on {name!r}: it is {t.dtype} already, the cast changes nothing")
+            if target.itemsize != t.element_size():
+                raise ValueError(f"fault cast_dtype at {f.point} on {name!r}: {t.dtype} -> {target} changes the byte size")
+    for point in POINTS:
+        if out is not None:
+            out = strike(group, point, name, out)
+    if out is not None and _same_bytes(_bytes(out), _bytes(t)):
+        raise ValueError(
+            f"faults on {name!r} ({described}) leave its bytes as they were, so they would test nothing "
+            "(two flips of one bit cancel; a cast or a shift of zeros reads the same)"
+        )
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    from wcviz.digest import logical_bytes
+
+    return logical_bytes(t)
+
+
+def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two byte tensors are equal (moved to ``a``'s device first)."""
+    import torch
+
+    return a.numel() == b.numel() and bool(torch.equal(a, b.to(a.device)))
 
 
 def as_like(src: torch.Tensor, like: torch.Tensor, what: str = "") -> torch.Tensor:
@@ -196,7 +318,9 @@ def pack_shifted(buf: torch.Tensor, offset: int, t: torch.Tensor, shift: int) ->
 
     raw = logical_bytes(t)
     start = offset + shift
-    n = max(0, min(raw.numel(), aligned(offset + raw.numel()) - start))
+    end = aligned(offset + raw.numel())
+    buf[offset : min(start, end)].zero_()  # zeros first, as :func:`shifted` reads: never what a kept buffer held before
+    n = max(0, min(raw.numel(), end - start))
     buf[start : start + n].copy_(raw[:n], non_blocking=True)
 
 

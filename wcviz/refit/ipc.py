@@ -58,13 +58,12 @@ from wcviz.digest import DigestAccumulator
 from wcviz.refit._beside import Beside, settle
 from wcviz.refit._control import ControlSocket, WireLog, check_address, checked_digests, checked_metadata, refused
 from wcviz.refit._ipc_receiver import SENDER, WIRE, IPCReceiver, _sync
-from wcviz.refit._packing import Bucket, Meta, fingerprint, framing_problems, nbytes, pack, plan
-from wcviz.refit._packing import named_tensors as tensor_pairs
+from wcviz.refit._packing import Bucket, Meta, fingerprint, framing_problems, nbytes, pack, plan, sendable
 from wcviz.refit._shm import OwnedBuffer
 from wcviz.refit._transport import Transport
-from wcviz.refit.config import DEFAULT_BUFFER_BYTES, DEFAULT_TIMEOUT_S, check_timeout
-from wcviz.refit.faults import FaultPlan, check_buffers, check_names, pack_shifted, swap_named
-from wcviz.refit.verify import RefitProtocolError, RefitResult, expected_names, verify_digests
+from wcviz.refit.config import DEFAULT_BUFFER_BYTES, DEFAULT_TIMEOUT_S, check_buffer_bytes, check_timeout
+from wcviz.refit.faults import FaultPlan, check_buffers, check_one_receiver, check_plan, pack_shifted, swap_named
+from wcviz.refit.verify import RefitProtocolError, RefitResult, RefitTimeout, expected_names, verify_digests
 
 if TYPE_CHECKING:
     from concurrent.futures import Future
@@ -72,6 +71,8 @@ if TYPE_CHECKING:
     from typing_extensions import Self
 
 __all__ = ["DEFAULT_BUFFER_BYTES", "DEFAULT_TIMEOUT_S", "IPCReceiver", "IPCSender", "check_address"]
+
+_ABORT_WAIT_S = 5.0  # how long a failed send waits for the receiver to take its abort notice
 
 
 
@@ -106,12 +107,12 @@ class IPCSender(Transport):
     ) -> None:
         super().__init__(verify)
         self.timeout_s = check_timeout(timeout_s)  # before anything is created: nothing to clean up
-        self.faults = faults or FaultPlan()
+        self.faults = check_one_receiver(faults)
         self.overlap = overlap
         self.keep_buffers = keep_buffers
         self._kept: list[OwnedBuffer] = []  # the staging buffers, between sends
         self._beside = Beside()
-        self.buffer_bytes = buffer_bytes
+        self.buffer_bytes = check_buffer_bytes(buffer_bytes)  # not at the first send, after prepare went out
         self.device = torch.device(device) if device is not None else None
         self.wire_log = wire_log
         self._tmpdir = tempfile.mkdtemp(prefix="wcviz_refit_") if address is None else None
@@ -121,6 +122,7 @@ class IPCSender(Transport):
         self._fingerprint: str | None = None  # fingerprint(self._declared)
         self._sock: ControlSocket | None = None
         self._closed = False
+        self._streaming = False  # a batch of the current send went out: a failure from then on aborts the receiver's stream
         try:
             self._open_socket()  # bind now, so the receiver can connect as soon as it knows the address
         except BaseException:
@@ -208,15 +210,24 @@ class IPCSender(Transport):
         :class:`RefitProtocolError`, a silent one :class:`RefitTimeout`. A fault naming a
         parameter that is not sent is a ValueError before anything is sent.
         """
-        tensors = tensor_pairs(named_tensors)
+        tensors = sendable(named_tensors)  # the input and the fault plan are checked before the receiver is asked
+        check_plan(self.faults, tensors)  # a fault that breaks nothing would pass as if it had been tried
+        wire = self._outgoing(tensors)
+        buckets = plan([(n, nbytes(t)) for n, t in wire], self.buffer_bytes)
+        check_buffers(self.faults, len(buckets))
+        self._streaming = False
         try:
             metadata = self.prepare()  # what the receiver declares now, never what an earlier one declared (a copy)
             self._check_framing(tensors, metadata)
-            check_names(self.faults, (n for n, _ in tensors))  # a fault on a name never sent would test nothing
             want = expected_names(metadata, (n for n, _ in tensors), partial=partial, expected=expected)
             acc = DigestAccumulator() if self.verifying else None
-            reply = self._stream(self._outgoing(tensors), dict(tensors), acc)
-        except BaseException:
+            reply = self._stream(wire, buckets, dict(tensors), acc)
+        except BaseException as e:
+            if self._sock is not None and self._streaming and not isinstance(e, (RefitProtocolError, RefitTimeout)):
+                # this end's own failure after a batch went out: the receiver, once done with the batch in flight
+                # (its buffer still there), is told its stream is over (refused before any batch, it still waits
+                # at the start of its stream for the next prepare; a refusal or a silence of its own needs no notice)
+                self._abort(e)
             self._free_staging()  # a receiver that gave up mid-batch may still read them: fresh ones next time
             if self._sock is not None and self._sock.awaiting:  # a REQ socket cannot send again before its reply
                 self._close_socket()
@@ -226,6 +237,21 @@ class IPCSender(Transport):
             return RefitResult(self.mode, params=len(tensors), nbytes=size, expected=len(want), declared=len(metadata))
         theirs = checked_digests(reply.get("digests"), self.address)
         return verify_digests(self.mode, acc.hex(), theirs, nbytes=size, expected=want, declared=len(metadata))
+
+    def _abort(self, error: BaseException) -> None:
+        """Tell a receiver waiting for this stream's next request that the stream is over, so it raises ``error``'s
+        cause at once instead of waiting out its timeout (a receiver that does not answer soon is left to it)."""
+        sock = self._sock
+        assert sock is not None
+        wait = min(self.timeout_s, _ABORT_WAIT_S)
+        try:
+            if sock.awaiting:  # the ack of the batch in flight is owed first; a refusal means the stream is over there
+                if refused("", self.address, sock.recv("the ack of the batch in flight", timeout_s=wait)) is not None:
+                    return
+            sock.send({"op": "abort", "error": f"{type(error).__name__}: {error}"[:2000]}, "the abort notice")
+            sock.recv("the reply to the abort notice", timeout_s=wait)
+        except Exception:  # the original error is what the caller needs; a socket in doubt is not reused
+            self._close_socket()
 
     def _free_staging(self) -> None:
         kept, self._kept = self._kept, []
@@ -255,6 +281,7 @@ class IPCSender(Transport):
     def _stream(
         self,
         wire: list[tuple[str, torch.Tensor]],
+        buckets: list[Bucket],
         originals: Mapping[str, torch.Tensor],
         acc: DigestAccumulator | None,
     ) -> dict[str, Any]:
@@ -279,8 +306,6 @@ class IPCSender(Transport):
                     _add_new(acc, todo)  # queued on the tensor's device; no host sync until acc.hex()
 
         tensors = dict(wire)
-        buckets = plan([(n, nbytes(t)) for n, t in wire], self.buffer_bytes)
-        check_buffers(self.faults, len(buckets))  # before any batch goes out
         device = self.device or (wire[0][1].device if wire else torch.device("cpu"))
         staging_size = max((b.used for b in buckets if not b.own), default=0)
         staging: list[OwnedBuffer] = []
@@ -325,6 +350,7 @@ class IPCSender(Transport):
                     if temp is not None:
                         temp.close()
                     continue
+                self._streaming = True
                 sock.send(
                     {"op": "batch", "buffer": buf.handle, "names": list(bucket.names), "used": bucket.used},
                     f"batch {k}",
@@ -334,6 +360,7 @@ class IPCSender(Transport):
             digest(originals)  # what never went on the wire (dropped) is still part of what was sent
             sock.send({"op": "complete"}, "COMPLETE")
             reply = sock.recv("the final ack")
+            self._streaming = False  # the receiver's stream is over, whatever happens here next
             settle(jobs)  # the worker's digests, and its errors
         if not (self.keep_buffers and device.type == "cpu"):
             self._free_staging()

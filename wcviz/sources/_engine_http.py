@@ -21,7 +21,7 @@ from typing import Any
 
 import httpx
 
-from wcviz._errors import check_deadline
+from wcviz._errors import check_deadline, check_token
 from wcviz._text import one_line
 from wcviz.sources._fleet import message_of
 from wcviz.sources._vllm import EngineEndpointError
@@ -143,6 +143,7 @@ def engine_request(
         raise ValueError("give client or transport, not both")
     if token is not None and (not isinstance(token, str) or not token):
         raise ValueError("token must be a non-empty string (the engine's API key) or None")
+    token = check_token(token, "token (the engine's API key)")  # refused, never echoed: a header no client can send
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     own = client is None
     http = client if client is not None else httpx.Client(transport=transport)
@@ -151,7 +152,8 @@ def engine_request(
     except httpx.TimeoutException as e:
         raise EngineEndpointError(f"{method} {url} ({what}) gave no whole answer within {timeout_s} s", "unreachable") from e
     except httpx.TransportError as e:
-        raise EngineEndpointError(f"{method} {url} ({what}): {one_line(e)}", "unreachable") from e
+        said = one_line(e).replace(token, "<token>") if token else one_line(e)  # a client's error may quote its headers
+        raise EngineEndpointError(f"{method} {url} ({what}): {said}", "unreachable") from None
     finally:
         if own:
             http.close()

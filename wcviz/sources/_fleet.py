@@ -19,6 +19,8 @@ error answer, a table that does not hold up, a claim another rank also makes) an
 
 from __future__ import annotations
 
+import re
+
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -132,27 +134,34 @@ def message_of(resp: httpx.Response) -> str:
 # --------------------------------------------------------------------------- targets
 
 
+_CREDENTIALS = re.compile(r"^(\s*(?:[A-Za-z][A-Za-z0-9+.-]*:)?//)?[^/?#\s]*@")  # what precedes a host's last @
+
+
 def checked_url(url: Any, kind: str = "agent") -> str:
     """``url`` without a trailing slash, once it is an ``http(s)://host[:port]`` address (``kind="engine"``: with an
     optional path prefix, as behind an ingress); else a ValueError naming it (never echoing a password in it)."""
     import httpx
 
     text = str(url).strip().rstrip("/")
+    shown = _CREDENTIALS.sub(r"\1<credentials>@", text)[:200]  # what errors quote: never a password
     try:
         parsed = httpx.URL(text)
     except (httpx.InvalidURL, TypeError, ValueError) as e:
-        raise ValueError(f"{str(url)[:200]!r} is not a URL ({e})") from None
+        said, m = str(e), _CREDENTIALS.match(text)
+        for secret in filter(None, re.split(r"[:@]", m.group(0)[len(m.group(1) or "") :]) if m else ()):
+            said = said.replace(secret, "<credentials>")  # httpx may quote any part of what it could not parse
+        raise ValueError(f"{shown!r} is not a URL ({said})") from None
     if parsed.userinfo:
         raise ValueError(f"the {kind} URL for {parsed.host} holds a user name or password: pass a bearer token (token=...), not URL credentials")
     if parsed.scheme not in ("http", "https") or not parsed.host:
-        raise ValueError(f"{text[:200]!r} is not an {kind} URL: expected http://host:port (or https://)")
+        raise ValueError(f"{shown!r} is not an {kind} URL: expected http://host:port (or https://)")
     if parsed.port is not None and not 0 < parsed.port < 65536:
-        raise ValueError(f"{text[:200]!r} is not an {kind} URL: port {parsed.port} is not 1..65535")
+        raise ValueError(f"{shown!r} is not an {kind} URL: port {parsed.port} is not 1..65535")
     path = kind == "agent" and parsed.path not in ("", "/")
     extra = [what for what, there in (("a path", path), ("a query", parsed.query), ("a fragment", parsed.fragment)) if there]
     if extra:
         root = " (the agent serves /v1/... at its root)" if kind == "agent" else ""
-        raise ValueError(f"{text[:200]!r} is not an {kind} URL: it has {' and '.join(extra)}; expected http://host:port{root}")
+        raise ValueError(f"{shown!r} is not an {kind} URL: it has {' and '.join(extra)}; expected http://host:port{root}")
     return text
 
 
@@ -452,7 +461,7 @@ def _audit(
     if not len(frame):
         return frame, failures, list(kept)
     why: dict[str, tuple[str, str]] = {}
-    dup = frame.duplicated(["url", "name", "phase"], keep=False)
+    dup = frame.duplicated(["url", "name"], keep=False)  # one answer is one phase: a name twice under two is twice
     for url, name in frame.loc[dup, ["url", "name"]].drop_duplicates("url").itertuples(index=False):
         why[str(url)] = ("failed", f"lists parameter {name!r} more than once: its table cannot say what it holds")
     negative = frame["nbytes"].notna() & (frame["nbytes"].fillna(0) < 0)
