@@ -465,3 +465,32 @@ def test_fetch_with_a_name_filter_that_matches_nothing_exits_1(capsys: pytest.Ca
         err = capsys.readouterr().err
         assert "no parameter name matches --name 'layers\\\\.99\\\\.' on any of the 1 rank(s) that answered" in err
         assert main(["fetch", str(agent.url), "--name", r"layers\.0\."]) == 0
+
+
+def test_verify_reads_a_null_num_key_value_heads_as_the_attention_heads(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A config.json with "num_key_value_heads": null (as transformers writes it for "as many as the heads") was
+    refused saying the checkpoint had no config.json."""
+    from wcviz.sim.model import hf_config
+
+    cfg = ModelConfig(vocab=256, hidden=32, layers=2, heads=4, kv_heads=4, intermediate=64)
+    write_sharded(build_state_dict(cfg), tmp_path)
+    config = hf_config(cfg)
+    config["num_key_value_heads"] = None
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    rc = main(["verify", "http://127.0.0.1:9", "--checkpoint", str(tmp_path), "--tp", "2", "--engine", "vllm", "--timeout", "2"])
+    out = capsys.readouterr()
+    assert rc == 1 and "heads=4, kv_heads=4" in out.out and "no config.json" not in out.err  # read; the engine is down
+
+
+@pytest.mark.parametrize("command", ["compare", "digest"])
+def test_an_out_path_that_cannot_be_written_is_refused_before_the_digesting(command: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """compare checked --out only after digesting both sides: exit 2 ("bad input") and no verdicts, where a real
+    difference had been found."""
+    cfg = ModelConfig(vocab=64, hidden=16, layers=1, heads=2, kv_heads=2, intermediate=32)
+    ckpt = tmp_path / "ckpt"
+    write_sharded(build_state_dict(cfg), ckpt)
+    out = str(tmp_path / "no" / "such" / "dir" / "verdicts.csv")
+    argv = ["compare", str(ckpt), str(ckpt), "--out", out] if command == "compare" else ["digest", str(ckpt), "--out", out]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "does not exist or cannot be written" in err

@@ -486,3 +486,36 @@ def test_view_text_applies_the_filters_the_picture_applies() -> None:
     dash.status.value = "all"
     dash.set_view("layer × rank")
     assert "filtered" not in dash.view_text and dash.view_text.splitlines()[3] == "norm     . C"
+
+
+def test_a_failed_step_clears_the_picture_and_choices_of_the_check_before_it() -> None:
+    """A snapshot whose action raised cleared the verdicts, yet the old heatmap stayed on screen, unmarked, and the
+    status filter still offered the old findings."""
+    fleet = _Fleet()
+    dash = Dashboard(fleet)
+    _check(dash)
+    assert dash.state.verdicts is not None and len(dash.status.options) > 1
+
+    def broken(action: str) -> ActionResult:
+        raise ConnectionError("agents went away")
+
+    fleet.act = broken  # type: ignore[method-assign]
+    with pytest.raises(ConnectionError):
+        dash.snapshot()
+    assert dash.state.verdicts is None and dash.status_text.startswith("snapshot FAILED")
+    assert [value for _, value in dash.status.options] == ["all"]
+    assert [child._dom_classes for child in dash.view_area.children] == [("wcviz-empty",)]  # no picture of the old check
+    assert dash.view_text.startswith("no verdicts yet")
+
+
+def test_a_reset_refused_before_anything_is_sent_is_no_reset() -> None:
+    """A reset pattern the report cannot read is refused before the reset is sent; the dashboard still counted the
+    reset as started: Snapshot off ("reload first: the ranks hold the reset pattern"), Reset off, no next step."""
+    fleet = _Fleet(reset_pattern="bogus")
+    dash = Dashboard(fleet)
+    dash.snapshot()
+    with pytest.raises(ValueError, match="reset_pattern"):
+        dash.reset(confirm=True)
+    assert fleet.resets == 0 and not dash.state.reset_started
+    assert dash.state.step_block("snapshot") is None and dash.state.step_block("reset") is None
+    assert dash.state.next_step == "reset"

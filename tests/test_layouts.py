@@ -520,3 +520,38 @@ def test_malformed_families_are_refused() -> None:
         Family("twice", (*LLAMA.rules, LLAMA.rules[-1]))
     with pytest.raises(LayoutError, match="has no rule for lm_head.weight"):
         Family("headless", LLAMA.rules[:-1])
+
+
+def test_a_stale_copy_of_a_tensor_beside_the_checkpoint_is_refused_not_taken_as_the_truth(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A leftover model.safetensors holding the old final norm, beside the new shard: the last file in sorted order
+    won, so an engine serving the stale norm was a match."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from wcviz import CheckpointError
+    from wcviz.sim.model import hf_config, step
+
+    cfg = ModelConfig(vocab=256, hidden=64, layers=2, heads=4, kv_heads=2, intermediate=96)
+    old = build_state_dict(cfg)
+    save_file({k: v.contiguous() for k, v in step(old, 1).items()}, str(tmp_path / "model-00001-of-00001.safetensors"))
+    save_file({"model.norm.weight": old["model.norm.weight"].contiguous()}, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps(hf_config(cfg)))
+    with pytest.raises(CheckpointError, match="tensor 'model.norm.weight' is in both model-00001-of-00001.safetensors and model.safetensors"):
+        expected_frame(tmp_path, "llama", tp=1, heads=4, kv_heads=2)
+
+
+def test_a_rule_held_by_every_stage_is_expected_on_every_stage() -> None:
+    """Rule(stage="every") was accepted, then dropped by bind(): an engine without that parameter matched."""
+    from wcviz.layouts import Family, Rule
+
+    rules = tuple(Rule(r.engine, r.sources, r.kind, stage="every") if r.engine == "model.norm.weight" else r for r in LLAMA.rules)
+    fam = Family("llama-every-norm", rules)
+    sd = build_state_dict(ModelConfig(vocab=256, hidden=32, layers=2, heads=4, kv_heads=2, intermediate=64))
+    shards = expected_shards(sd, fam, tp=1, pp=2, heads=4, kv_heads=2)
+    stages = sorted(coords["pp"] for coords, name, _ in shards if name == "model.norm.weight")
+    assert stages == [0, 1]
+    exp = expected_frame(sd, fam, tp=1, pp=2, heads=4, kv_heads=2, vocab_padding=1)
+    act = expected_frame(sd, "llama", tp=1, pp=2, heads=4, kv_heads=2, vocab_padding=1)
+    v = compare(exp, act[act["name"] != "model.norm.weight"])
+    assert v.loc[v["name"] == "model.norm.weight", "status"].tolist() == ["missing", "missing"]

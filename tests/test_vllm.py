@@ -27,7 +27,7 @@ import torch
 import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from wcviz.digest import DEFAULT_ALGO
@@ -115,25 +115,35 @@ def collective_rpc_app(
     calls = {"n": 0}
     across, replica = world if world is not None else (len(ws), len(ws))
 
-    async def world_size(request: Request) -> Response:
-        raw = request.query_params.get("include_dp", "true").lower()  # FastAPI's bool Query
-        if raw not in ("true", "false", "1", "0", "yes", "no", "on", "off"):
-            return JSONResponse({"detail": [{"type": "bool_parsing", "loc": ["query", "include_dp"]}]}, status_code=422)
-        return JSONResponse({"world_size": across if raw in ("true", "1", "yes", "on") else replica})
+    def error(message: str, status: int, kind: str, param: str | None = None) -> JSONResponse:
+        # vLLM 0.33 registers its own handlers (entrypoints/serve/exception_handling): every error is an
+        # ErrorResponse(ErrorInfo(message, type, param, code)).model_dump()
+        return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}}, status_code=status)
 
-    async def rpc(request: Request) -> Response:
+    async def world_size(request: Request) -> Response:
+        raw = request.query_params.get("include_dp", "true").lower()  # pydantic's bool: its validation error is a 400
+        if raw not in ("true", "false", "1", "0", "yes", "no", "on", "off", "t", "f", "y", "n"):
+            said = {"type": "bool_parsing", "loc": "query.include_dp", "msg": "Input should be a valid boolean, unable to interpret input", "input": raw}
+            return error(f"1 validation error:\n  {said}", 400, "Bad Request", "query.include_dp")
+        return JSONResponse({"world_size": across if raw in ("true", "1", "yes", "on", "t", "y") else replica})
+
+    async def rpc(request: Request) -> Response:  # serve/dev/rpc/api_router.py collective_rpc
         try:
             body = await request.json()
         except json.JSONDecodeError as e:
-            return JSONResponse({"detail": f"JSON decode error: {e}"}, status_code=400)
+            return error(f"JSON decode error: {e}", 400, "Bad Request")
+        if not isinstance(body, dict):
+            return error("Request body must be a JSON object", 400, "Bad Request")
         method = body.get("method")
         if method is None:
-            return JSONResponse({"detail": "Missing 'method' in request body"}, status_code=400)
+            return error("Missing 'method' in request body", 400, "Bad Request")
         args, kwargs = body.get("args", []), body.get("kwargs", {})
         try:
             results = dispatch(ws, method, tuple(args), kwargs)
-        except Exception:  # noqa: BLE001 - like an unhandled error in vLLM's route
-            return PlainTextResponse("Internal Server Error", status_code=500)
+        except Exception as e:  # noqa: BLE001 - the executor's RuntimeError, re-raised by the engine client as a plain
+            # Exception (core.py _invoke_utility_method's failure_message), then exception_handler's 500
+            why = f"Worker failed with error '{e}', please check the stack trace above for the root cause"
+            return error(f"Call to collective_rpc method failed: {why}", 500, "InternalServerError")
         calls["n"] += 1
         idx = order(calls["n"], len(results)) if order else list(range(len(results)))
         out = [r if r is None or isinstance(r, (dict, list)) else str(r) for r in (results[i] for i in idx)]
@@ -236,6 +246,8 @@ def test_worker_raising_fails_the_whole_rpc_and_every_worker_is_reported() -> No
     assert res.answered == 0 and len(res.frame) == 0 and not res.complete
     assert list(res.failed["rank"]) == [0, 1, 2, 3] and set(res.failed["kind"]) == {"failed"}
     assert all("HTTP 500" in e for e in res.failed["error"])
+    # what vLLM says reaches the report: the worker's own error, inside the engine client's and executor's words
+    assert all("Call to collective_rpc method failed: Worker failed with error" in e and "illegal memory access" in e for e in res.failed["error"])
     llm_res = from_vllm_llm(FakeLLM(ws))
     assert list(llm_res.failed["rank"]) == [0, 1, 2, 3]
     assert "illegal memory access" in llm_res.failed["error"].iloc[0]
@@ -618,3 +630,18 @@ def test_extension_lists_a_tied_parameter_once_as_vllms_checker_and_expected_fra
     rows = w.wcviz_digests()["rows"]
     assert [r["name"] for r in rows] == ["model.embed_tokens.weight"]
     assert w.wcviz_info()["params"] == 1
+
+
+@pytest.mark.parametrize("when", ["wcviz_info", "wcviz_digests"])
+def test_an_rpc_timeout_through_the_multiprocessing_client_is_unreachable_not_failed(when: str) -> None:
+    """vLLM 0.33's default engine client re-raises the executor's TimeoutError as a plain Exception
+    ("Call to collective_rpc method failed: RPC call to ... timed out."): it read as a worker that failed."""
+
+    class TimingOut(FakeLLM):
+        def collective_rpc(self, method: str, timeout: float | None = None, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> list[Any]:
+            if method == when:
+                raise Exception(f"Call to collective_rpc method failed: RPC call to {method} timed out.")  # noqa: TRY002 - as vLLM raises it
+            return super().collective_rpc(method, timeout, args, kwargs)
+
+    res = from_vllm_llm(TimingOut(workers()))
+    assert not res.complete and set(res.failed["kind"]) == {"unreachable"} and "timed out" in res.failed["error"].iloc[0]

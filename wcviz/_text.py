@@ -90,13 +90,15 @@ def rank_label(row: Mapping[str, Any], style: str = "rank") -> str:
     rank = _int(row.get("rank"))
     coords = {c: _int(row.get(c)) for c in _COORDS}
     shown = " ".join(f"{c}={v}" for c, v in coords.items() if v is not None)
+    url = row.get("url")
+    nowhere = str(url) if isinstance(url, str) and url else "(no rank)"  # a rank known only by its address
     if style == "compact":
         pieces = [f"{_PREFIX[c]}{v}" for c, v in (("rank", rank), *coords.items()) if v is not None]
-        return " ".join(pieces) or "(no rank)"
+        return " ".join(pieces) or nowhere
     if style == "short":
         where = " ".join(f"{_PREFIX[c]}{v}" for c, v in coords.items() if v is not None)
         at = f"rank {rank}" if rank is not None else ""
-        return (f"{at} ({where})" if at and where else at or where) or "(no rank)"
+        return (f"{at} ({where})" if at and where else at or where) or nowhere
     if style == "coords":
         everything = " ".join(f"{c}={v}" for c, v in (("rank", rank), *coords.items()) if v is not None)
         return f"({everything or 'no coordinates'})"

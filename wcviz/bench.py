@@ -280,10 +280,16 @@ def predicted_cost(
             raise ValueError(f"unknown model {', '.join(map(repr, unknown)) or '(none given)'}; choose from {', '.join(ZOO)}")
         zoo = {n: ZOO[n] for n in names}
     rates = throughput() if rates is None else rates
+    if not isinstance(rates, pd.DataFrame):
+        raise TypeError(f"rates must be a DataFrame (wcviz.bench.throughput()'s), got {type(rates).__name__}")
     missing = {"backend", "gbps", "overhead_s"} - set(rates.columns)
     if missing:
         raise ValueError(f"rates lack column(s) {', '.join(sorted(missing))}; pass wcviz.bench.throughput()'s frame")
     rates = rates.copy()
+    for i, r in enumerate(rates[["backend", "gbps", "overhead_s"]].itertuples(index=False)):
+        gbps, overhead = pd.to_numeric(pd.Series([r.gbps, r.overhead_s]), errors="coerce")
+        if not (math.isfinite(gbps) and gbps > 0) or not (math.isfinite(overhead) and overhead >= 0):
+            raise ValueError(f"rates row {i} ({r.backend}): gbps must be > 0 and overhead_s >= 0, both finite; got {r.gbps!r}, {r.overhead_s!r}")
     if "device" not in rates:
         rates["device"] = "cpu"
     if "rate_source" not in rates:

@@ -143,6 +143,10 @@ def _load_pair(args: argparse.Namespace) -> tuple[pd.DataFrame, pd.DataFrame]:
 def _digest(args: argparse.Namespace) -> int:
     progress = False if args.no_progress else None
     as_table = bool(args.out) and _is_table(args.out)
+    if as_table:  # refused before the digesting, not after it
+        _check_table_out(args.out)
+    elif args.out:
+        _check_out_dir(args.out)
     if args.format == "table" and not as_table:  # the common case: rows printed as they are, no frame, no pandas
         from wcviz._text import aligned
         from wcviz.sources import safetensors_rows
@@ -188,6 +192,7 @@ def _compare(args: argparse.Namespace) -> int:
     from wcviz._errors import TableError
     from wcviz.verdicts import compare, counts
 
+    _check_table_out(args.out)  # before the digesting: a bad --out after it hid the verdicts behind exit 2
     expected, actual = _load_pair(args)
     verdicts = compare(expected, actual)
     if verdicts.empty:
@@ -208,6 +213,7 @@ def _fetch(args: argparse.Namespace) -> int:
     from wcviz.frame import IDENTITY, write_table
     from wcviz.sources import fetch
 
+    _check_table_out(args.out)
     res = fetch(args.urls, timeout_s=args.timeout, retries=args.retries, name=args.name)
     if args.out:
         write_table(res.frame, args.out)
@@ -274,9 +280,14 @@ def _check_table_out(out: str | None) -> None:
         return
     from wcviz._errors import TableError
 
-    suffix, parent = Path(out).suffix.lower(), Path(out).resolve().parent
+    suffix = Path(out).suffix.lower()
     if suffix not in (".csv", ".parquet", ".json"):
         raise TableError(f"{out}: unknown table format {suffix or '(no suffix)'}; use .csv, .parquet or .json")
+    _check_out_dir(out)
+
+
+def _check_out_dir(out: str) -> None:
+    parent = Path(out).resolve().parent
     if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
         raise ValueError(f"--out {out}: the directory {parent} does not exist or cannot be written")
 

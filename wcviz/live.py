@@ -235,9 +235,14 @@ def verify_engine(
         names = checkpoint_weights(checkpoint) if isinstance(checkpoint, (str, Path)) else checkpoint
         family = detect_family(list(names))
     heads = heads if heads is not None else config.get("num_attention_heads")
-    kv_heads = kv_heads if kv_heads is not None else config.get("num_key_value_heads", heads)
-    if not isinstance(heads, int) or not isinstance(kv_heads, int):
-        raise WcvizError("the checkpoint has no config.json with num_attention_heads: give heads= (and kv_heads=)")
+    if kv_heads is None:  # absent or null in config.json: as many as the attention heads, as transformers reads it
+        kv_heads = config.get("num_key_value_heads") if config.get("num_key_value_heads") is not None else heads
+    if not isinstance(heads, int) or isinstance(heads, bool):
+        if not config or config.get("num_attention_heads") is None:
+            raise WcvizError("the checkpoint has no config.json with num_attention_heads: give heads= (and kv_heads=)")
+        raise WcvizError(f"config.json gives num_attention_heads={heads!r}, not a whole number of heads: give heads= (and kv_heads=)")
+    if not isinstance(kv_heads, int) or isinstance(kv_heads, bool):
+        raise WcvizError(f"config.json gives num_key_value_heads={kv_heads!r}, not a whole number: give kv_heads=")
     if tie_embeddings is None and isinstance(config.get("tie_word_embeddings"), bool):
         tie_embeddings = config["tie_word_embeddings"]
     dtypes = {n: v for n, v in vars(torch).items() if isinstance(v, torch.dtype)}  # no getattr: no torch warnings

@@ -186,10 +186,11 @@ def differences(verdicts: pd.DataFrame) -> pd.DataFrame:
 
 
 def counts(verdicts: pd.DataFrame) -> dict[str, int]:
-    """Rows per :func:`compare` status, every one present (zeros included), most severe first."""
+    """Rows per status, most severe first: every :func:`compare` status (zeros included) and each other status the
+    rows hold (the end-state check's), so the counts always add up to the rows."""
     check_statuses(verdicts)
     vc = verdicts["status"].value_counts()
-    return {s: int(vc.get(s, 0)) for s in STATUSES}
+    return {s: int(vc.get(s, 0)) for s in SEVERITY if s in STATUSES or s in vc}
 
 
 def _ids(v: pd.DataFrame) -> pd.DataFrame:

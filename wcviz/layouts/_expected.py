@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from wcviz._errors import CheckpointError
 from wcviz._text import listing
 from wcviz.layouts._rules import ENGINES, NAMES, TIED_NAMES, W13_ORDERS, Family, LayoutError, Rule, Variant
 from wcviz.layouts._split import SPLITS, Cut, padded_vocab
@@ -121,7 +122,7 @@ def bind(names: Iterable[str], family: str | Family, *, tie_embeddings: bool | N
     ignored = skipped + [n for n in names if tied and any(_regex(s).fullmatch(n) for s in head.sources)]
     present = set(names)
     missing: list[str] = []
-    first = [r for r in fam.rules if r.stage == "first"]
+    first = [r for r in fam.rules if r.stage in ("first", "every")]  # (every: held by each stage, placed in _rank)
     per_layer = [r for r in fam.rules if r.stage == "layer"]
     last = [r for r in fam.rules if r.stage == "last" and not (tied and r is head)]
     params: list[Param] = []
@@ -456,7 +457,13 @@ class _Checkpoint(Mapping):
             from safetensors import safe_open
 
             with safe_open(str(f), "pt") as h:
-                self.where.update({n: f for n in h.keys()})  # noqa: SIM118 (safe_open has no __iter__)
+                for n in h.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                    if n in self.where:  # a stale leftover beside the new shards: which is the truth is unknown
+                        raise CheckpointError(
+                            f"{self.path}: tensor {n!r} is in both {self.where[n].name} and {f.name}; "
+                            "remove the stale file (or point at the checkpoint's index)"
+                        )
+                    self.where[n] = f
 
     def __getitem__(self, name: str) -> torch.Tensor:
         from safetensors import safe_open

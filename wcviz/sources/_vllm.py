@@ -208,6 +208,15 @@ def _llm_sizes(llm: Any) -> tuple[int, int] | str:
     return _checked_sizes(across, replica, "get_world_size")
 
 
+def _timed_out(e: BaseException) -> bool:
+    """Whether an in-process ``collective_rpc`` failed by a timeout: a TimeoutError with the in-process engine client;
+    with vLLM 0.33's default multiprocessing client, the executor's TimeoutError (``multiproc_executor.py``: "RPC call
+    to ... timed out.") reaches us re-raised as a plain Exception ("Call to collective_rpc method failed: ...",
+    ``v1/engine/core.py`` ``_invoke_utility_method``)."""
+    said = str(e)
+    return isinstance(e, TimeoutError) or (said.startswith("Call to collective_rpc method failed:") and "timed out" in said)
+
+
 def _collect(call: Call, where: str, kwargs: dict[str, str], name: str | None, count: Callable[[], tuple[int, int] | str]) -> FetchResult:
     """``wcviz_info`` then ``wcviz_digests`` on every worker; every rank ``count()`` names accounted for (module
     doc). ``count`` is asked once the workers answered ``wcviz_info``: an engine that is down is one row."""
@@ -219,7 +228,7 @@ def _collect(call: Call, where: str, kwargs: dict[str, str], name: str | None, c
         msg = _hint("wcviz_info", e) + (f" (are the workers started with worker_extension_cls={EXTENSION}?)" if e.kind == "failed" else "")
         return assemble([], [{"url": where, "kind": e.kind, "error": msg}])
     except Exception as e:  # noqa: BLE001 - in-process: any worker error fails the whole call
-        kind = "unreachable" if isinstance(e, TimeoutError) else "failed"
+        kind = "unreachable" if _timed_out(e) else "failed"
         msg = _hint("wcviz_info", e) + (f" (are the workers started with worker_extension_cls={EXTENSION}?)" if kind == "failed" else "")
         return assemble([], [{"url": where, "kind": kind, "error": msg}])
     if not isinstance(infos, list):
@@ -239,7 +248,7 @@ def _collect(call: Call, where: str, kwargs: dict[str, str], name: str | None, c
     except Exception as e:  # the whole call failed: every worker wcviz_info named fails with it
         if isinstance(e, EngineEndpointError) and e.kind == "missing":
             raise
-        kind = e.kind if isinstance(e, EngineEndpointError) else "unreachable" if isinstance(e, TimeoutError) else "failed"
+        kind = e.kind if isinstance(e, EngineEndpointError) else "unreachable" if _timed_out(e) else "failed"
         rows = [{"url": target_label(where, ident), "kind": kind, "error": _hint("wcviz_digests", e), **ident} for ident in known]
         rows = rows or [{"url": where, "kind": kind, "error": _hint("wcviz_digests", e)}]
         return assemble([], failed + rows + _never_reached(where, infos, known, sizes))

@@ -39,7 +39,7 @@ import pandas as pd
 from wcviz._errors import TableError
 from wcviz._text import listing, plural, rank_label
 from wcviz.frame import IDENTITY, rank_ids
-from wcviz.verdicts import SEVERITY, WHOLE_RANK
+from wcviz.verdicts import SEVERITY, WHOLE_RANK, check_statuses
 from wcviz.views._grid import KEYS, NO_RANKS, _label
 from wcviz.views.plots import _ANNOTATE_BELOW, _FONT, COLORS, NOT_HELD_COLOR, _ink, _ticks
 
@@ -230,6 +230,8 @@ def _not_drawn(missed: list[tuple[str, str]]) -> str | None:
 def drilldown(frames: Mapping[str, pd.DataFrame] | pd.DataFrame, name: str, *, verdicts: pd.DataFrame | None = None) -> Drilldown:
     """The digests of parameter ``name`` per rank and phase, each judged (with ``verdicts``, as they judged it):
     what both drill-down views draw."""
+    if verdicts is not None:  # judged by them, or refused: never quietly drawn as if no verdict said anything
+        check_statuses(verdicts)
     long = _long(frames)
     names = long["name"].dropna().astype(str)
     if name not in set(names):

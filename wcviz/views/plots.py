@@ -84,11 +84,12 @@ def _cells(ax: Axes, where: np.ndarray, hatch: str, edge: str, gid: str) -> None
 
 
 def _hatch_partly(ax: Axes, worst: pd.DataFrame, partly: pd.DataFrame) -> list:
-    """Cells with rows both kept and filtered out: hatched (dark red where what is filtered out is not all match)."""
+    """Cells with rows both kept and filtered out: hatched grey; and every cell whose filtered-out rows are not
+    all match, partly or wholly filtered out, hatched dark red (a finding the filter hides is never plain grey)."""
     from matplotlib.patches import Patch
 
     mixed = (worst.notna() & partly.notna()).to_numpy()
-    hidden_bad = mixed & (partly.fillna(len(SEVERITY)).to_numpy() != SEVERITY.index("match"))
+    hidden_bad = partly.notna().to_numpy() & (partly.fillna(len(SEVERITY)).to_numpy() != SEVERITY.index("match"))
     handles = []
     if (mixed & ~hidden_bad).any():
         _cells(ax, mixed & ~hidden_bad, "///", "#8C8C8C", "filtered")

@@ -212,7 +212,8 @@ def topology(verdicts: pd.DataFrame) -> Topology:
         pieces.append(loose.assign(group=len(groups) - 1, row=range(len(loose)), col=cols[0] if cols else 0, name=""))
         col_index.setdefault(cols[0] if cols else 0, 0)
     cells = pd.concat(pieces)
-    agg = cells.sort_values("order").groupby(["group", "row", "col"], sort=True).agg(
+    # ranks sharing a cell (they differ only in ep, or in rank where dp is not reported) are named by the worst
+    agg = cells.sort_values(["severity", "order"]).groupby(["group", "row", "col"], sort=True).agg(
         severity=("severity", "min"), count=("count", "sum"), first=("name", "first"), n=("order", "size"),
         note=("note", lambda w: ", ".join(dict.fromkeys(x for x in w if x))),
     ).reset_index()

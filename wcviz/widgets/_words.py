@@ -17,7 +17,7 @@ import pandas as pd
 
 from wcviz._text import plural, rank_label
 from wcviz.endstate import AgentFleet, reset_coverage
-from wcviz.frame import IDENTITY
+from wcviz.frame import IDENTITY, rank_ids
 from wcviz.verdicts import n_parameters, status_parts
 
 if TYPE_CHECKING:
@@ -41,9 +41,10 @@ def said(what: BaseException | str) -> str:
 
 
 def ranks_of(df: pd.DataFrame) -> pd.DataFrame:
-    """The distinct rank identities of a frame (NA coordinates are one value)."""
-    cols = [c for c in IDENTITY if c in df]
-    return df[cols].drop_duplicates() if cols else pd.DataFrame(index=[0])
+    """The distinct ranks of a frame by :func:`wcviz.frame.rank_ids` (two ranks known only by their URLs are two)."""
+    if not any(c in df for c in (*IDENTITY, "url")):
+        return pd.DataFrame(index=[0])
+    return rank_ids(df).drop_duplicates()
 
 
 def coverage_hint(snapshot: pd.DataFrame, reset: pd.DataFrame, pattern: Any) -> str:
@@ -56,7 +57,7 @@ def coverage_hint(snapshot: pd.DataFrame, reset: pd.DataFrame, pattern: Any) -> 
     try:
         cov = reset_coverage(snapshot, reset, reset_pattern=pattern)
         cols = [c for c in IDENTITY if c in reset]
-        answered = cov[cols].merge(ranks_of(reset).assign(_in=True), on=cols, how="left")["_in"].notna().to_numpy()
+        answered = cov[cols].merge(reset[cols].drop_duplicates().assign(_in=True), on=cols, how="left")["_in"].notna().to_numpy()
         nonempty = cov[~cov["empty"].to_numpy() & answered]  # a rank that did not answer is not counted
         provable = nonempty[nonempty["digest_pattern"].notna().to_numpy()]
         blind = len(nonempty) - len(provable)

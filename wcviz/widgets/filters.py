@@ -12,7 +12,7 @@ from collections.abc import Mapping
 
 import pandas as pd
 
-from wcviz.frame import IDENTITY
+from wcviz.frame import IDENTITY, rank_ids
 from wcviz.verdicts import SEVERITY
 
 __all__ = ["ALL", "NOT_MATCH", "VerdictFilters"]
@@ -37,11 +37,19 @@ class VerdictFilters:
         raise NotImplementedError(f"{type(self).__name__} must define empty_hint(): VerdictFilters is a mixin of DashboardState")
 
     def roles(self, v: pd.DataFrame) -> pd.Series:
-        """The role of each verdict row: its own column, else the role its rank has in the frames."""
+        """The role of each verdict row: its own column; else the actual side's (a ``missing`` row takes the role
+        its rank has in its other rows, never the expected side's, a checkpoint's); else the role its rank has in
+        the frames. NA where no one says (a rank that never answered): the role filter keeps those rows."""
         if "role" in v:
             return v["role"].astype("string")
         if "role_actual" in v:
-            return v["role_actual"].fillna(v.get("role_expected")).astype("string")
+            own = v["role_actual"].astype("string")
+            if not own.isna().any():
+                return own
+            ids = rank_ids(v)
+            key = pd.Series([tuple(r) for r in ids.astype("object").where(ids.notna(), None).itertuples(index=False)], index=v.index)
+            by_rank = own.groupby(key, dropna=False).transform(lambda r: r.dropna().iloc[0] if r.notna().any() else pd.NA)
+            return own.fillna(by_rank.astype("string"))
         known = [f for f in [*self.frames.values(), self.current] if f is not None and "role" in f and len(f)]
         cols = [c for c in IDENTITY if c in v]
         if not known or not cols:
@@ -69,10 +77,12 @@ class VerdictFilters:
         return opts
 
     def role_rows(self) -> pd.DataFrame | None:
+        """The verdicts of the chosen role, and every row whose role no one says (a rank that never answered):
+        the filter narrows to a role, it never hides a rank that could not say what it is."""
         v = self.verdicts
         if v is None or self.role_filter == ALL:
             return v
-        return v[(self.roles(v) == self.role_filter).fillna(False).to_numpy()].reset_index(drop=True)
+        return v[(self.roles(v) == self.role_filter).fillna(True).to_numpy()].reset_index(drop=True)
 
     def set_search(self, text: str) -> None:
         """The parameter filter: a regular expression searched in each name; an invalid one raises and changes nothing."""
@@ -160,5 +170,6 @@ class VerdictFilters:
             return str(drilldown_text(self.drill_frames(), name, verdicts=self.verdicts))
         t = self.table
         assert t is not None
-        cols = [c for c in ("rank", "pp", "tp", "name", "status") if c in t]
+        ids = [c for c in (*IDENTITY, "url") if c in t and t[c].notna().any()]  # every coordinate that tells ranks apart
+        cols = ids + [c for c in ("name", "status") if c in t]
         return t[cols].to_string(index=False) if len(t) else "no verdicts match the filters"

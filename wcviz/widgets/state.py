@@ -285,6 +285,8 @@ class DashboardState(DashboardWords, VerdictFilters):
         """The session finished ``step`` of ``phase``: say what comes next, tick the progress."""
         if step == phase:
             self.activity = f"{DOING[phase]}: {phase} done, fetching the digests of {self.ranks_words()}…"
+            if phase == "reset":  # the reset was sent (whatever it answered): the ranks may hold its pattern
+                self.reset_started = True
         self.on_step()
 
     # ---- actions ---------------------------------------------------------------------------
@@ -323,8 +325,6 @@ class DashboardState(DashboardWords, VerdictFilters):
             self.shown_fetch, self.cleared = None, []
         if phase in ("snapshot", "reload"):
             self.transport, self.notes = None, []
-        if phase == "reset":
-            self.reset_started = True  # from here on the ranks may hold the reset pattern: Reload is the way back
         notes = getattr(self.fleet, "notes", None)
         seen = len(notes) if isinstance(notes, list) else 0
         self.activity = self.plan(phase)
@@ -332,8 +332,6 @@ class DashboardState(DashboardWords, VerdictFilters):
             frame = getattr(self.session, phase)()
         except SnapshotUnusable as e:  # refused before any reset was sent: nothing is poisoned
             self.unusable = said(e).split(": ", 1)[-1]
-            if phase == "reset":
-                self.reset_started = False
             raise
         finally:
             self.frames = dict(self.session.frames)

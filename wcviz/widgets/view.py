@@ -283,6 +283,11 @@ class Dashboard(ViewArea):
             elif action != "view":
                 self.state.status_text = f"{action} FAILED: {said(e)}"
                 self._show_status(bad=True)
+                try:  # the picture and the choices follow the state: a failed step cleared the verdicts it made stale
+                    self._update_choices()
+                    self._show_view()
+                except Exception as again:  # noqa: BLE001 - the step's failure is what is reported
+                    self.exceptions.append(("view", again))
             return None, e
         finally:
             self._busy = False
