@@ -12,11 +12,14 @@ import torch
 from wcviz._errors import AlgorithmMismatch, TableError, WcvizError
 from wcviz.endstate import (
     ENDSTATE_STATUSES,
+    CallableFleet,
+    EndStateSession,
     EngineLeftPoisoned,
     ResetNotCovered,
     classify,
     poison_,
     reset_coverage,
+    run,
     run_check,
     summary,
 )
@@ -489,3 +492,78 @@ def test_summary_is_a_property_and_calling_it_still_works():
     report = EndStateReport(verdicts=v, frames={}, problems=problems)
     assert report.summary == "end-state check: 4 ranks, 16 parameters: 16 match"
     assert report.summary() == report.summary and str(report) == report.summary
+
+
+# --- a rank the reload left holding the reset's values is named on every way out (a review, 2026-12-02) -------
+
+DOWN = "model.layers.1.mlp.down_proj.weight"
+
+
+def _skipping() -> Engine:
+    e = Engine()
+    e.skip[(1, 0)] = {DOWN}  # rank 2 (pp=1 tp=0): its loader skips one weight, which keeps the poison
+    return e
+
+
+def _named_rank_2(message: str) -> bool:
+    return message.startswith("STILL POISONED after the reload on engine 2 (pp=1 tp=0") and "(1 parameter)" in message
+
+
+def test_a_failing_hook_names_the_rank_the_reload_left_poisoned() -> None:
+    """The reload ran without an error, so only the hook's error was raised: rank 2, still poisoned, went unnamed."""
+    e = _skipping()
+
+    def hook() -> None:
+        raise RuntimeError("before_reload hook failed")
+
+    with pytest.raises(EngineLeftPoisoned) as info:
+        run(EndStateSession(CallableFleet(e.snapshot, e.reset, e.reload, e.digest)), before_reload=hook)
+    assert _named_rank_2(str(info.value)) and "before_reload hook failed" in str(info.value)
+    assert info.value.poisoned == ("engine 2 (pp=1 tp=0)",)
+
+
+def test_a_void_check_and_a_report_that_cannot_be_built_name_the_rank_the_reload_left_poisoned() -> None:
+    e = _skipping()
+    original_reset = e.reset
+
+    def reset_missing_one() -> None:  # the reset misses one parameter on rank 1: the check is void
+        original_reset()
+        shard = e.shards[(0, 1)]
+        name = next(iter(shard))
+        shard[name].copy_(e.truth[(0, 1)][name])
+
+    with pytest.raises(ResetNotCovered) as void:
+        run(EndStateSession(CallableFleet(e.snapshot, reset_missing_one, e.reload, e.digest)))
+    assert _named_rank_2(str(void.value)) and "the end-state check is void" in str(void.value)
+
+    e = _skipping()
+
+    def digest(phase: str) -> pd.DataFrame:  # the reloaded workers report ep too: no verdict can be made
+        frame = e.digest(phase)
+        return frame.assign(ep=0) if phase == "reload" else frame
+
+    with pytest.raises(EngineLeftPoisoned) as broken:
+        run(EndStateSession(CallableFleet(e.snapshot, e.reset, e.reload, digest)))
+    assert "STILL POISONED after the reload on engine 2 (pp=1 tp=0 ep=0) (1 parameter)" in str(broken.value)
+    assert "no verdicts could be made" in str(broken.value)
+
+
+def test_a_row_claiming_no_bytes_whose_digest_is_of_bytes_is_not_an_empty_tensor() -> None:
+    """A size row of 0 bytes for a parameter whose checksum is of 64 real bytes, untouched by reset and reload: it
+    was judged match, proven by nothing."""
+    import hashlib
+
+    real = hashlib.sha256(b"\x01" * 64).hexdigest()
+    other = {"snapshot": hashlib.sha256(b"\x02" * 8).hexdigest(), "reset": hashlib.sha256(b"\x00" * 8).hexdigest()}
+    other["reload"] = other["snapshot"]
+
+    def frame(phase: str) -> pd.DataFrame:
+        return pd.DataFrame({"role": ["engine"] * 2, "rank": [0] * 2, "dp": [0] * 2, "pp": [0] * 2, "tp": [0] * 2, "name": ["w", "v"],
+                             "digest": [real, other[phase]], "algo": ["vllm-sha256"] * 2, "phase": [phase] * 2, "nbytes": [0, 8]})  # fmt: skip
+
+    with pytest.raises(ResetNotCovered, match="1 unchanged on 1 rank: w on rank 0"):
+        classify(frame("snapshot"), frame("reset"), frame("reload"), reset_pattern="zeros")
+    empty = hashlib.sha256(b"").hexdigest()
+    rows = [frame(p).assign(digest=[empty, other[p]]) for p in ("snapshot", "reset", "reload")]
+    v = classify(*rows, reset_pattern="zeros")
+    assert v.set_index("name")["status"].to_dict() == {"w": "match", "v": "match"}  # a true empty tensor proves itself

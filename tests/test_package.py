@@ -227,3 +227,38 @@ def test_demo_refuses_a_fault_its_layout_cannot_show_before_starting_anything(ca
     with pytest.raises(SystemExit) as e:
         main(["--fault", "swap", "--tp", "1", "--pp", "2"])
     assert e.value.code == 2 and "--fault swap needs --tp 2 or more" in capsys.readouterr().err
+
+
+def test_the_demo_passes_only_the_findings_its_fault_should_give() -> None:
+    """Exit 0 meant "the check failed somehow": a flip fault whose check named an unrelated down_proj skip on
+    another rank (or a dead rank) passed as the flip caught."""
+    import pandas as pd
+
+    from wcviz.demo import FAULTS, fits
+    from wcviz.sim.engine import EngineLayout
+
+    layout = EngineLayout(tp=2, pp=2)
+    names = ["model.layers.0.self_attn.qkv_proj.weight", "model.layers.0.mlp.gate_up_proj.weight", "model.layers.0.mlp.down_proj.weight", "lm_head.weight"]
+
+    def verdicts(bad: dict[tuple[int, str], str]) -> pd.DataFrame:
+        rows = [{"rank": r, "name": n, "status": bad.get((r, n), "match")} for r in range(4) for n in names]
+        return pd.DataFrame(rows).astype({"rank": "Int64", "name": "string", "status": "string"})
+
+    caught = {
+        "skip": {(1, names[2]): "unwritten"},
+        "stale": {(3, n): "unwritten" for n in names},
+        "fused": {(1, names[0]): "corrupted", (3, names[1]): "corrupted"},
+        "swap": {(0, names[0]): "corrupted", (1, names[0]): "corrupted"},
+        "cast": {(0, names[1]): "corrupted"},
+        "flip": {(3, names[3]): "corrupted"},
+        "none": {},
+    }
+    assert set(caught) == set(FAULTS)
+    for fault, bad in caught.items():
+        assert fits(fault, layout, verdicts(bad)) is None, fault
+    assert "findings on engine ranks [1] (want [3])" in str(fits("flip", layout, verdicts({(1, names[3]): "corrupted"})))
+    assert "want names matching lm_head" in str(fits("flip", layout, verdicts({(3, names[2]): "corrupted"})))
+    assert "statuses unreachable" in str(fits("skip", layout, verdicts({(1, names[2]): "unwritten", (2, names[0]): "unreachable"})))
+    assert fits("skip", layout, verdicts({})) == "no finding"
+    assert fits("none", layout, verdicts({(0, names[0]): "corrupted"})) == "1 findings where the update was healthy"
+    assert "findings on engine ranks [1] (want [0, 1])" in str(fits("swap", layout, verdicts({(1, names[0]): "corrupted"})))

@@ -181,7 +181,7 @@ def test_data_parallel_schedulers_and_a_failing_one() -> None:
 def test_admin_key_is_sent_as_a_bearer_token_and_a_refusal_is_clear() -> None:
     sim = SimSglang(TINY, admin_api_key="admin-secret", api_key="user-key")
     with sim as url:
-        with pytest.raises(EngineEndpointError, match="pass token=") as err:
+        with pytest.raises(EngineEndpointError, match=r"give the engine.s API key \(--token, or token=\.\.\.\)") as err:
             from_sglang(url)
         assert err.value.kind == "refused"
         with pytest.raises(EngineEndpointError, match="not the engine's key"):
@@ -493,3 +493,17 @@ def test_an_answer_implying_absurd_sizes_is_one_failed_row_not_a_million() -> No
     res, _ = _fetched_from_checker_answering(body)
     assert len(res.failed) == 1 and not res.complete
     assert "more than 65,536" in res.failed["error"].iloc[0]
+
+
+def test_an_endstate_over_stages_the_checker_never_hears_reports_them_unreachable() -> None:
+    """SGLang 0.5.23's checker answers from pipeline stage 0 only: a rank silent to the checksum, under an action
+    sent to the whole engine, was taken for a living rank whose snapshot failed, and every pp > 1 engine was refused
+    ("failed on 1 rank that otherwise answered")."""
+    from wcviz.sim import SimSglang
+    from wcviz.sim.model import TINY
+
+    sim = SimSglang(TINY, tp=1, pp=2)
+    with sim as url:
+        report = sglang_endstate(url, sim.load, compare=False)
+    assert "1 rank unreachable (rank 1 (dp=0 pp=1 tp=0): did not answer)" in report.summary
+    assert [q["body"]["action"] for q in sim.requests][:3] == ["snapshot", "checksum", "reset_tensors"]

@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pandas as pd
@@ -361,3 +362,34 @@ def test_pcp_ranks_whose_experts_differ_are_said_not_checked_never_passed() -> N
         res = from_vllm_weight_checker(url)
     (row,) = res.failed.to_dict(orient="records")
     assert "pcp1's experts differ from pcp0's" in row["error"] and "not checked" in row["error"] and not res.complete
+
+
+def test_a_rank_that_answered_keeps_its_missing_rows_when_a_rank_at_the_same_place_is_silent(tmp_path: Path) -> None:
+    """With vLLM's PCP, two ranks share (dp, pp, tp): the silent pcp1 rank turned the answering pcp0 rank's missing
+    weight into 'unreachable', which says the rank did not answer."""
+    import httpx
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    from test_vllm import serve
+    from wcviz.sim.model import TINY, build_state_dict, save_checkpoint
+
+    ckpt = save_checkpoint(build_state_dict(TINY), tmp_path, config=TINY)
+    with SimVllm(TINY, tp=2) as url:
+        sums = httpx.post(url + "/weight_checker", json={"action": "checksum"}).json()["checksums"]
+    gone = next(k for k in sums if k.startswith("dp0:pp0:pcp0:tp1:") and "down_proj" in k)
+    both = {**sums, **{k.replace(":pcp0:", ":pcp1:"): v for k, v in sums.items()}}
+    answered = {k: v for k, v in both.items() if k != gone and not k.startswith("dp0:pp0:pcp1:tp1:")}
+
+    async def checker(request: Any) -> JSONResponse:
+        return JSONResponse({"checksums": answered})
+
+    async def world(request: Any) -> JSONResponse:
+        return JSONResponse({"world_size": 4})
+
+    app = Starlette(routes=[Route("/weight_checker", checker, methods=["POST"]), Route("/get_world_size", world, methods=["GET"])])
+    with serve(app) as url:
+        report = verify_engine(url, ckpt, tp=2, engine="vllm", vocab_padding=1)
+    v = report.verdicts
+    assert v.loc[(v["tp"] == 1) & (v["name"] == gone.split(":", 4)[4]), "status"].tolist() == ["missing"]

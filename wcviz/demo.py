@@ -8,8 +8,9 @@ by a refit with a loader fault injected, compare. The transport check of that re
 passes - the bytes arrived - and the end-state check names the layer, rank and
 parameter the loader left behind (nothing, with ``--fault none``). Frames go to parquet
 and the layer x rank view to a PNG in ``--out``; every process is stopped at the end.
-Exit 0 when the verdicts are what the fault should give, 1 otherwise, 2 for bad flags,
-130 on Ctrl-C.
+Exit 0 when the verdicts are what the fault should give (its statuses, on the engine ranks and
+parameters it strikes, and nothing else; no finding with ``--fault none``), 1 otherwise, 2 for
+bad flags, 130 on Ctrl-C.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any
 
 from wcviz.sim.engine import EngineLayout, LoaderFaults
 
-__all__ = ["FAULTS", "fault_plan", "main", "run"]
+__all__ = ["FAULTS", "fault_plan", "fits", "main", "run"]
 
 # --fault choices: what each one injects into the update under test, aimed at engine ranks the layout has
 # (the last rank holds the last pipeline stage, so lm_head); swap and fused need two TP ranks to differ.
@@ -56,6 +57,41 @@ def fault_plan(fault: str, layout: EngineLayout) -> tuple[str, dict[int, LoaderF
         "none": {},
     }
     return FAULTS[fault].format(one=one, last=last), plans[fault]
+
+
+def fits(fault: str, layout: EngineLayout, verdicts: Any) -> str | None:
+    """Why ``verdicts`` are not what ``fault`` on ``layout`` should give, or None when they are: the statuses,
+    the engine ranks and the parameters it must name, and nothing else (a dead rank or an unrelated finding is
+    not the injected fault caught)."""
+    import re
+
+    bad = verdicts[verdicts["status"] != "match"]
+    if fault == "none":
+        return None if not len(bad) else f"{len(bad)} findings where the update was healthy"
+    if not len(bad):
+        return "no finding"
+    last, one = layout.world_size - 1, min(1, layout.world_size - 1)
+    tp_of = {r: r % layout.tp for r in range(layout.world_size)}  # engine ranks: tp fastest, then pp
+    want: dict[str, tuple[set[str], Any, str]] = {  # statuses, the ranks that must hold findings (all of them), names
+        "skip": ({"unwritten"}, {one}, r"mlp\.down_proj"),
+        "stale": ({"unwritten"}, {last}, r"."),
+        "fused": ({"corrupted"}, {r for r, t in tp_of.items() if t != 0}, r"qkv_proj|gate_up_proj"),
+        "swap": ({"corrupted"}, {0, 1}, r"."),
+        "cast": ({"corrupted"}, {0}, r"."),
+        "flip": ({"corrupted"}, {last}, r"lm_head"),
+    }
+    statuses, ranks, names = want[fault]
+    found_ranks = {int(r) for r in bad["rank"].dropna()}
+    problems = []
+    if other := sorted(set(bad["status"].astype(str)) - statuses):
+        problems.append(f"statuses {', '.join(other)} (want {', '.join(sorted(statuses))})")
+    if bad["rank"].isna().any() or found_ranks != ranks:
+        problems.append(f"findings on engine ranks {sorted(found_ranks)} (want {sorted(ranks)})")
+    if stray := sorted({str(n) for n in bad["name"].dropna() if not re.search(names, str(n))}):
+        problems.append(f"findings on {', '.join(stray[:3])}{', ...' if len(stray) > 3 else ''} (want names matching {names})")
+    if fault == "flip" and len(bad) != 1:
+        problems.append(f"{len(bad)} findings (one bit flips in one parameter)")
+    return "; ".join(problems) or None
 
 
 def _say(msg: str) -> None:
@@ -108,11 +144,13 @@ def run(fault: str = "skip", out: str | Path = "demo-out", *, tp: int = 2, pp: i
         pids = cluster.pids
     _say(f"[5] wrote {', '.join(str(p) for p in paths)}")
     _say(f"[6] stopped {len(pids)} processes; {time.monotonic() - t0:.1f} s in all")
-    found = not report.ok
-    expected = fault != "none"
-    _say(f"the end-state check {'found' if found else 'did not find'} a problem ({'as expected' if found == expected else 'NOT as expected'})")
+    why = fits(fault, layout, report.verdicts)
+    if why is None:
+        _say(f"the end-state check found {'what the fault should give' if fault != 'none' else 'no problem'} (as expected)")
+    else:
+        _say(f"the end-state check did NOT find what --fault {fault} should give: {why}")
     _say("next: `make lab` opens JupyterLab on notebooks/; 02_partial_update.ipynb runs this check from a dashboard")
-    return 0 if found == expected else 1
+    return 0 if why is None else 1
 
 
 def _flag_error(fault: str, out: str | Path, tp: int, pp: int) -> str | None:

@@ -302,6 +302,10 @@ def _unreachable(verdicts: pd.DataFrame, failed: pd.DataFrame, actual: pd.DataFr
         ranks = verdicts[where].dropna().drop_duplicates()
         gave_nothing = ranks.merge(answered.astype(ranks.dtypes.to_dict()), on=where, how="left", indicator=True)
         silent = pd.concat([silent, gave_nothing[gave_nothing["_merge"] == "left_only"][where]]).drop_duplicates()
+    if len(silent) and len(actual):  # a place that gave rows answered: its missing rows stay missing (two ranks may
+        # share a place, differing only in a coordinate the verdicts do not carry: vLLM's pcp)
+        gave = actual[where].dropna().drop_duplicates().astype(silent.dtypes.to_dict()).assign(_gave=True)
+        silent = silent[silent.merge(gave, on=where, how="left")["_gave"].isna().to_numpy()]
     if not len(silent):
         return verdicts
     hit = verdicts[["dp", "pp", "tp"]].merge(silent.assign(_silent=True), on=["dp", "pp", "tp"], how="left")["_silent"]

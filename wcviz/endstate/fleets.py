@@ -61,6 +61,8 @@ class AgentFleet:
     returns an :class:`wcviz.sources.ActionResult`, that says which ranks it reloaded.
     """
 
+    per_rank_actions = True  # each agent is asked by itself (Fleet)
+
     def __init__(
         self,
         urls: Targets,

@@ -90,6 +90,8 @@ class Fleet(Protocol):
     ``failed``). ``act(action)``: ``snapshot``, ``reset`` or ``reload`` on every rank,
     as a :class:`wcviz.sources.ActionResult`; raising means the whole fleet failed.
     ``reset_pattern``: what the reset writes (:data:`wcviz.endstate.RESET_PATTERNS`).
+    Optional ``per_rank_actions`` (default False): each target is acted on by itself, so
+    a target whose action answered is alive even when its digests did not come.
     """
 
     reset_pattern: str | int
@@ -146,8 +148,25 @@ def _labels(poisoned: pd.DataFrame) -> tuple[str, ...]:
     return tuple(dict.fromkeys(rank_label(r, "role") for r in poisoned.to_dict(orient="records")))
 
 
-def _poisoned_line(poisoned: pd.DataFrame) -> str:
-    return f"RELOAD FAILED on {', '.join(_labels(poisoned))}: still poisoned (serving the reset pattern); rerun the weight update"
+def _poisoned_line(poisoned: pd.DataFrame, stuck: pd.DataFrame | None = None) -> str:
+    """The ranks left poisoned, first in every message: those whose reload failed, then those whose reload left
+    parameters as the reset wrote them (:meth:`EndStateSession.left_in_reset`)."""
+    lines = []
+    if len(poisoned):
+        lines.append(f"RELOAD FAILED on {', '.join(_labels(poisoned))}: still poisoned (serving the reset pattern); rerun the weight update")
+    if stuck is not None and len(stuck):
+        where = ", ".join(f"{rank_label(r, 'role')} ({plural(int(r['params']), 'parameter')})" for r in stuck.to_dict(orient="records"))
+        lines.append(f"STILL POISONED after the reload on {where}: the reload left what the reset wrote; rerun the weight update")
+    return ". ".join(lines)
+
+
+def _left_poisoned(session: EndStateSession) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """(ranks whose reload failed, ranks the reload left holding the reset's values); the second empty if unknown."""
+    try:
+        stuck = session.left_in_reset()
+    except Exception:  # noqa: BLE001 - digests that cannot be compared: the failed reloads are still named
+        stuck = pd.DataFrame(columns=["url", "params"])
+    return session.poisoned, stuck
 
 
 @dataclass
@@ -349,7 +368,10 @@ class EndStateSession:
         acted = {p["url"]: p["kind"] for p in mine if p["step"] == "snapshot"}
         fetched = {p["url"]: p["kind"] for p in mine if p["step"] == "digests"}
         dead = {u for u, k in fetched.items() if k == "unreachable" and acted.get(u) == "unreachable"}
-        broken = [p for p in mine if p["url"] not in dead and (p["step"] == "snapshot" or p["kind"] == "unreachable")]
+        # a rank silent to its digests whose own snapshot action answered is alive: known only where the fleet
+        # acts rank by rank (agents); an engine acted on as a whole says nothing of each rank's action
+        each = bool(getattr(self.fleet, "per_rank_actions", False))
+        broken = [p for p in mine if p["url"] not in dead and (p["step"] == "snapshot" or (each and p["kind"] == "unreachable"))]
         if broken:  # alive (it answered one of the two), yet with no snapshot to compare against: the reset would
             # poison it for a verdict that cannot come (and a reload restoring what its snapshot recorded could not
             # restore it). A dead rank, silent to both, is no reason to stop: the living ranks are checked, it is
@@ -407,6 +429,35 @@ class EndStateSession:
         """The problems of ranks whose reload failed so far after a reset that may have run."""
         return _poisoned(self.problem_table)
 
+    def left_in_reset(self) -> pd.DataFrame:
+        """Ranks whose reload did not fail there, yet whose digests after it still equal their digests after the
+        reset for a parameter the reset changed (a loader that skipped a weight): one row per rank, its identity,
+        ``url`` and ``params`` (how many). What every way out of a check that ends in an error must name too, since
+        no verdict will. Empty until the reload's digests are in."""
+        snap, rst, rel = (self.frames.get(p) for p in PHASES)
+        out = pd.DataFrame(columns=["url", "params"])
+        if rst is None or rel is None or not len(rst) or not len(rel):
+            return out
+        coords = [c for c in IDENTITY if c in rst and c in rel and rst[c].notna().any() and rel[c].notna().any()]
+        by_url = "url" in rst and "url" in rel and not rst[["url", *coords]].drop_duplicates()["url"].duplicated().any()
+        # a rank by its address where each address is one rank (agents: its coordinates may change between phases),
+        # else by its coordinates (a fleet acted on as a whole answers every rank under one target)
+        key = ["url", "name"] if by_url else [*coords, *(["url"] if "url" in rst and "url" in rel else []), "name"]
+        pairs = rst[key + ["digest"]].merge(rel[key + ["digest"]], on=key, suffixes=("_reset", "_reload"))
+        same = pairs["digest_reset"].str.lower() == pairs["digest_reload"].str.lower()
+        if snap is not None and all(c in snap for c in key):  # a reset that changed nothing (an empty tensor) proves nothing
+            before = pairs[key].merge(snap[key + ["digest"]].drop_duplicates(key), on=key, how="left")["digest"]
+            same &= (before.str.lower() != pairs["digest_reset"].str.lower()).fillna(True).to_numpy()
+        stuck = pairs[same.fillna(False).to_numpy(dtype=bool)]
+        if "url" in stuck and len(self.poisoned):  # named already, as ranks whose reload failed
+            stuck = stuck[~stuck["url"].isin(set(self.poisoned["url"]))]
+        if not len(stuck):
+            return out
+        who = [c for c in ("role", *IDENTITY) if c in rel and c not in key]
+        ids = rel.drop_duplicates(key[:-1])[key[:-1] + who]
+        counted = stuck.groupby(key[:-1], dropna=False).size().rename("params").reset_index()
+        return counted.merge(ids, on=key[:-1], how="left")
+
     @staticmethod
     def _silent(table: pd.DataFrame) -> pd.DataFrame:
         """Ranks that did not answer some phase: a failed fetch of digests, or an action with no answer."""
@@ -430,18 +481,18 @@ class EndStateSession:
                 unreachable=self._silent(table), empty=table[table["kind"] == "empty"],
             )  # fmt: skip
         except ResetNotCovered as e:
-            poisoned = _poisoned(table)
+            poisoned, stuck = _left_poisoned(self)
             failed = table[(table["phase"] == "reset") & (table["step"] == "reset")]
             why = f"; the reset itself failed on {_failures(failed)}" if len(failed) else ""  # a 401/403/500 is the cause
-            if not len(poisoned) and not why:
+            if not len(poisoned) and not len(stuck) and not why:
                 raise
-            first = f"{_poisoned_line(poisoned)}. Also: " if len(poisoned) else ""
-            raise ResetNotCovered(f"{first}{e}{why}", e.coverage, _labels(poisoned)) from e
+            first = f"{_poisoned_line(poisoned, stuck)}. Also: " if len(poisoned) or len(stuck) else ""
+            raise ResetNotCovered(f"{first}{e}{why}", e.coverage, _labels(poisoned) + _labels(stuck)) from e
         except Exception as e:  # a table that does not hold up: the poisoned ranks still come first
-            poisoned = _poisoned(table)
-            if not len(poisoned):
+            poisoned, stuck = _left_poisoned(self)
+            if not len(poisoned) and not len(stuck):
                 raise
-            raise EngineLeftPoisoned(f"{_poisoned_line(poisoned)}. Also, no verdicts could be made: {e}", _labels(poisoned)) from e
+            raise EngineLeftPoisoned(f"{_poisoned_line(poisoned, stuck)}. Also, no verdicts could be made: {e}", _labels(poisoned) + _labels(stuck)) from e
         return EndStateReport(
             verdicts=verdicts, frames=dict(self.frames), problems=table, answered=dict(self.answered),
             fetches=dict(self.fetches), notes=_stale_poison_note(self.frames["snapshot"], pattern),
@@ -497,11 +548,11 @@ def _restore(session: EndStateSession, error: BaseException) -> None:
         session.reload()
     except BaseException as e:
         raise _reload_error(session, e, f". The check stopped before its reload because {why}") from error
-    poisoned = session.poisoned
-    if len(poisoned):
+    poisoned, stuck = _left_poisoned(session)
+    if len(poisoned) or len(stuck):
         raise EngineLeftPoisoned(
-            f"{_poisoned_line(poisoned)}. The check stopped before its reload because {why}; the other ranks were reloaded",
-            _labels(poisoned),
+            f"{_poisoned_line(poisoned, stuck)}. The check stopped before its reload because {why}; the other ranks were reloaded",
+            _labels(poisoned) + _labels(stuck),
         ) from error
 
 

@@ -161,7 +161,7 @@ def engine_request(
         raise EngineEndpointError(f"{method} {url} answered 404 (no such route){': ' + missing_hint if missing_hint else ''}", "missing")
     if resp.status_code in (401, 403):
         said = message_of(resp)
-        hint = "pass token=... (the engine's API key)" if not token else "the token given is not the engine's key for this route"
+        hint = "give the engine's API key (--token, or token=...)" if not token else "the token given is not the engine's key for this route"
         raise EngineEndpointError(f"{what} refused: HTTP {resp.status_code} {said}: {hint}", "refused")
     if resp.status_code not in answered:
         raise EngineEndpointError(f"{what} failed for the whole engine: HTTP {resp.status_code}: {message_of(resp)}")
