@@ -377,3 +377,54 @@ def test_expected_shard_check_catches_a_persistent_wrong_shard_the_endstate_chec
     verdicts = healthy.expected_check()
     bad = {(int(r.rank), r.name, r.status) for r in verdicts[verdicts["status"] != "match"].itertuples()}
     assert bad == {(rank, name, "mismatch") for rank, name, _ in _expected("fused_from_rank0")}
+
+
+def test_a_rank_that_gave_no_answer_in_time_is_stopped_not_left_to_answer_the_next_command() -> None:
+    """Its late reply stayed in the pipe and was read as the answer to the next command: every answer from that
+    rank then belonged to the command before it (a step count, digests of the wrong phase)."""
+    import socket
+    import subprocess
+    import sys
+    from multiprocessing.connection import Connection
+
+    from wcviz.sim._procs import RankProcesses
+
+    ours, theirs = socket.socketpair()
+    # a "rank" that answers each command only after 2 s
+    code = "import socket, sys, time, pickle\nfrom multiprocessing.connection import Connection\nc = Connection(int(sys.argv[1]))\nwhile True:\n    cmd = c.recv()\n    time.sleep(2)\n    c.send(('ok', cmd[0]))\n"
+    proc = subprocess.Popen([sys.executable, "-c", code, str(theirs.fileno())], pass_fds=(theirs.fileno(),))
+    theirs.close()
+    ranks = RankProcesses(RuntimeError, lambda k: f"{k[0]} rank {k[1]}")
+    key = ("trainer", 0)
+    ranks.procs[key], ranks.conns[key] = proc, Connection(ours.detach())
+    try:
+        with pytest.raises(RuntimeError, match="no answer within 0 s \\(stopped: a late answer would be taken"):
+            ranks.call([key], "first", timeout_s=0.2)
+        assert ranks.is_dead(key) and proc.poll() is not None
+        with pytest.raises(RuntimeError, match="trainer rank 0 is dead"):
+            ranks.call([key], "second", timeout_s=5)
+    finally:
+        ranks.stop(1)
+
+
+def test_a_cluster_started_from_a_thread_outlives_that_thread() -> None:
+    """Ranks asked the kernel to kill them when their parent died (PR_SET_PDEATHSIG), which fires when the parent
+    *thread* exits: a cluster started from a worker thread lost every rank with it."""
+    import threading
+
+    box: list[Cluster] = []
+    starter = threading.Thread(target=lambda: box.append(Cluster(layout=EngineLayout(tp=1, pp=1), agents=False).start()))
+    starter.start()
+    starter.join(300)
+    (cluster,) = box
+    try:
+        time.sleep(1.5)  # a rank killed with its parent thread is gone by now
+        assert all(_alive(pid) for pid in cluster.pids)
+        assert cluster.step() == 1
+    finally:
+        cluster.stop()
+    for _ in range(100):  # and they still end with the cluster
+        if not any(_alive(pid) for pid in cluster.pids):
+            break
+        time.sleep(0.05)
+    assert not any(_alive(pid) for pid in cluster.pids)

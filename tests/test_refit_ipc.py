@@ -1537,3 +1537,94 @@ def test_a_shift_never_reads_what_a_kept_buffer_held_before() -> None:
             receiver.close()
     assert (result.mismatched, result.missing) == ((NORM,), ())
     assert torch.count_nonzero(received[1][NORM]) == 0  # it arrives as zeros, as the fault says
+
+
+def test_segments_made_while_another_thread_attaches_are_still_freed_when_the_process_dies() -> None:
+    """Attaching swapped out the resource tracker's register for the whole process: segments another thread made
+    meanwhile went unregistered, and stayed in /dev/shm for good once the process died (SIGKILL, an OOM kill)."""
+    import glob
+    import subprocess
+    import sys
+    import textwrap
+
+    child = textwrap.dedent("""
+        import os, signal, threading, time, torch
+        from wcviz.refit._shm import AttachedBuffer, OwnedBuffer
+        owner = OwnedBuffer(4096, torch.device("cpu"))
+        stop = False
+        def attacher():
+            while not stop:
+                AttachedBuffer(owner.handle).close()
+        threading.Thread(target=attacher, daemon=True).start()
+        kept = []
+        for _ in range(20):
+            time.sleep(0.001)
+            kept.append(OwnedBuffer(4096, torch.device("cpu")))
+        print(os.getpid(), flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    before = set(glob.glob("/dev/shm/wcviz_*"))
+    run = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=120)
+    pid = run.stdout.strip()
+    assert run.returncode == -9 and pid, run.stderr
+    for _ in range(100):  # the dead process's resource tracker unlinks what it registered
+        left = [f for f in set(glob.glob(f"/dev/shm/wcviz_{pid}_*")) - before]
+        if not left:
+            break
+        time.sleep(0.05)
+    for f in left:
+        os.unlink(f)
+    assert left == []
+
+
+def test_a_staging_buffer_interrupted_while_it_is_made_leaves_nothing_in_dev_shm(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Ctrl-C while a few GiB were reserved left the new segment in /dev/shm until the process exited."""
+    import glob
+
+    from wcviz.refit import _shm
+
+    def interrupted(shm: Any, size: int) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(_shm, "_reserve", interrupted)
+    before, owned = set(glob.glob(f"/dev/shm/wcviz_{os.getpid()}_*")), set(_shm._OWNED)
+    with pytest.raises(KeyboardInterrupt):
+        _shm.OwnedBuffer(1 << 20, torch.device("cpu"))
+    assert set(glob.glob(f"/dev/shm/wcviz_{os.getpid()}_*")) == before and _shm._OWNED == owned
+
+
+def test_a_receiver_interrupted_at_prepare_answers_it_and_can_serve_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only a protocol error at prepare was answered: a Ctrl-C there left the REP socket owing a reply, so the
+    receiver could never serve again."""
+    calls = [0]
+    original = IPCReceiver._declared_now
+
+    def interrupted_once(self: IPCReceiver) -> Any:
+        calls[0] += 1
+        if calls[0] == 1:
+            raise KeyboardInterrupt
+        return original(self)
+
+    monkeypatch.setattr(IPCReceiver, "_declared_now", interrupted_once)
+    seen: list[BaseException | None] = []
+    with IPCSender(verify="log", buffer_bytes=BUFFER, timeout_s=10) as sender:
+        receiver = IPCReceiver(sender.address, META, lambda batch: None, verify="log", timeout_s=10)
+
+        def serve() -> None:
+            for _ in range(2):
+                try:
+                    receiver.serve()
+                    seen.append(None)
+                except BaseException as e:  # noqa: BLE001 - what the engine would see
+                    seen.append(e)
+
+        engine = threading.Thread(target=serve)
+        engine.start()
+        try:
+            with pytest.raises(RefitProtocolError, match="refused|KeyboardInterrupt"):
+                sender.send(MODEL)
+            assert sender.send(MODEL).ok  # the same receiver serves the next refit
+        finally:
+            engine.join(20)
+            receiver.close()
+    assert isinstance(seen[0], KeyboardInterrupt) and seen[1] is None

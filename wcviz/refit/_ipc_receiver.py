@@ -143,10 +143,10 @@ class IPCReceiver(Transport):
                     stream = None
                     try:
                         declared = self._declared_now()
-                    except RefitProtocolError as e:
-                        sock.send({"op": "ack", "ok": False, "error": str(e)}, "an error reply")
+                        stream = _Stream(DigestAccumulator() if self.verifying else None, declared, fingerprint(declared))
+                    except BaseException as e:  # a REP socket owes a reply, even to a Ctrl-C: unanswered, it could
+                        sock.send({"op": "ack", "ok": False, "error": str(e) or repr(e)}, "an error reply")  # never serve again
                         raise
-                    stream = _Stream(DigestAccumulator() if self.verifying else None, declared, fingerprint(declared))
                     if msg.get("known") == stream.fingerprint:
                         sock.send({"op": "info", "unchanged": True}, "the reply to prepare")
                     else:

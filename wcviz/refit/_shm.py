@@ -20,8 +20,6 @@ import os
 import re
 import secrets
 import sys
-import threading
-from collections.abc import Iterator
 from dataclasses import dataclass
 from multiprocessing import resource_tracker
 from multiprocessing.shared_memory import SharedMemory
@@ -149,8 +147,13 @@ class OwnedBuffer:
         self._shm: SharedMemory | None = None
         if device.type == "cpu":
             self._shm = SharedMemory(name=_unique_key(), create=True, size=size)
-            _reserve(self._shm, size)
-            self.tensor: torch.Tensor | None = _mapped_tensor(self._shm, size)
+            _OWNED.add(self._shm._name)  # type: ignore[attr-defined]
+            try:  # made, so freed on any way out (Ctrl-C while reserving a few GiB): never left in /dev/shm
+                _reserve(self._shm, size)
+                self.tensor: torch.Tensor | None = _mapped_tensor(self._shm, size)
+            except BaseException:
+                self.close()
+                raise
             self.handle = BufferHandle("shm", self._shm.name, size, transient)
         elif device.type == "cuda":
             from torch.multiprocessing.reductions import reduce_tensor
@@ -168,6 +171,7 @@ class OwnedBuffer:
             _close_quietly(shm)
             with contextlib.suppress(FileNotFoundError):
                 shm.unlink()
+            _OWNED.discard(shm._name)  # type: ignore[attr-defined]
 
 
 def _reserve(shm: SharedMemory, size: int) -> None:
@@ -266,27 +270,22 @@ def _close_quietly(shm: SharedMemory) -> None:
         shm.close()  # now only closes the file descriptor
 
 
-_tracker_lock = threading.Lock()
-
-
-@contextlib.contextmanager
-def _untracked() -> Iterator[None]:
-    """Keep this process's resource tracker out of a segment it merely attaches.
-
-    Before Python 3.13 (``track=False``), attaching registers the segment, and the
-    tracker unlinks it when this process exits, under its owner's feet (gh-82300).
-    """
-    with _tracker_lock:
-        register = resource_tracker.register
-        resource_tracker.register = lambda name, rtype: None  # type: ignore[assignment]
-        try:
-            yield
-        finally:
-            resource_tracker.register = register  # type: ignore[assignment]
+_OWNED: set[str] = set()  # the segments this process made (and unlinks): its tracker keeps them, whoever attaches
 
 
 def _attach_shm(name: str) -> SharedMemory:
+    """Attach a segment another party owns, keeping this process's resource tracker out of it.
+
+    Before Python 3.13 (``track=False``), attaching registers the segment, and the tracker
+    unlinks it when this process exits, under its owner's feet (gh-82300): the registration
+    is withdrawn at once. (Swapping out the tracker's ``register`` for the attach, as before,
+    also dropped the registrations of segments other threads made meanwhile: left in
+    ``/dev/shm`` for good when the process then died.) A segment this process made itself
+    stays registered: its owner's registration is the same entry.
+    """
     if sys.version_info >= (3, 13):
         return SharedMemory(name=name, track=False)  # type: ignore[call-arg]
-    with _untracked():
-        return SharedMemory(name=name)
+    shm = SharedMemory(name=name)
+    if shm._name not in _OWNED:  # type: ignore[attr-defined]
+        resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
+    return shm

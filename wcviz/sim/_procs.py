@@ -92,7 +92,12 @@ class RankProcesses:
                 elif time.monotonic() > deadline:
                     errors[key] = f"no answer within {timeout_s:.0f} s"
         if errors:
-            for key in errors:
+            for key, error in errors.items():
+                if error.startswith("no answer within") and self.procs[key].poll() is None:
+                    # its late answer would be read as the next command's: out of step for good, so stopped
+                    self.procs[key].kill()
+                    self.procs[key].wait(5)
+                    errors[key] = f"{error} (stopped: a late answer would be taken for the next command's)"
                 if self.procs[key].poll() is not None:
                     self.dead.add(key)
             listed = "; ".join(f"{self._label(k)}: {e}" for k, e in errors.items())

@@ -19,6 +19,7 @@ import os
 import signal
 import sys
 import threading
+import time
 import traceback
 from dataclasses import dataclass
 from datetime import timedelta
@@ -67,14 +68,18 @@ class Spec:
 
 
 def _die_with_parent(parent_pid: int) -> None:
-    """Ask the kernel to SIGKILL this process when the driver dies (Linux); exit now if it already has."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        with contextlib.suppress(OSError):  # no libc by that name: the closed pipe still ends the loop
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    """End this process when the driver process dies: a watchdog thread that looks every 0.5 s (a busy rank does
+    not read its closed pipe). Not PR_SET_PDEATHSIG: it fires when the *thread* that spawned the rank exits, so a
+    cluster started from a worker thread (a web handler, ``asyncio.to_thread``) lost every rank with that thread."""
     if os.getppid() != parent_pid:
         os._exit(1)
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="wcviz-parent-watch", daemon=True).start()
 
 
 class _Rank(abc.ABC):
