@@ -1475,9 +1475,25 @@ def test_a_tensor_with_no_bytes_is_refused_by_name_before_anything_is_sent(mode:
     assert wire == []
 
 
+def _engine(receiver: IPCReceiver, serves: int, outcomes: list[BaseException | None]) -> threading.Thread:
+    """A started thread that serves ``serves`` refits, appending each one's outcome (None, or what it raised)."""
+
+    def serve() -> None:
+        for _ in range(serves):
+            try:
+                receiver.serve()
+                outcomes.append(None)
+            except BaseException as e:  # noqa: BLE001 - what the engine would see
+                outcomes.append(e)
+
+    engine = threading.Thread(target=serve)
+    engine.start()
+    return engine
+
+
 def test_a_sender_failing_mid_stream_tells_the_receiver_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """The receiver waited out its whole timeout, then blamed the sender's silence ("is it alive?")."""
-    served: list[BaseException] = []
+    served: list[BaseException | None] = []
     receiver_timeout = 60.0
     original = IPCSender._pack
     calls = [0]
@@ -1492,15 +1508,7 @@ def test_a_sender_failing_mid_stream_tells_the_receiver_at_once(monkeypatch: pyt
     loaded: list[str] = []
     with IPCSender(verify="log", buffer_bytes=BUFFER, timeout_s=FAST) as sender:
         receiver = IPCReceiver(sender.address, META, lambda batch: loaded.extend(n for n, _ in batch), verify="log", timeout_s=receiver_timeout)
-
-        def serve() -> None:
-            try:
-                receiver.serve()
-            except BaseException as e:  # noqa: BLE001 - what the engine would see
-                served.append(e)
-
-        engine = threading.Thread(target=serve)
-        engine.start()
+        engine = _engine(receiver, 1, served)
         try:
             with pytest.raises(MemoryError, match="no room for batch 2"):
                 sender.send(MODEL)
@@ -1609,17 +1617,7 @@ def test_a_receiver_interrupted_at_prepare_answers_it_and_can_serve_again(monkey
     seen: list[BaseException | None] = []
     with IPCSender(verify="log", buffer_bytes=BUFFER, timeout_s=10) as sender:
         receiver = IPCReceiver(sender.address, META, lambda batch: None, verify="log", timeout_s=10)
-
-        def serve() -> None:
-            for _ in range(2):
-                try:
-                    receiver.serve()
-                    seen.append(None)
-                except BaseException as e:  # noqa: BLE001 - what the engine would see
-                    seen.append(e)
-
-        engine = threading.Thread(target=serve)
-        engine.start()
+        engine = _engine(receiver, 2, seen)
         try:
             with pytest.raises(RefitProtocolError, match="refused|KeyboardInterrupt"):
                 sender.send(MODEL)
