@@ -317,3 +317,24 @@ def test_summary_says_one_parameter() -> None:
 
     v = _verdict_rows([(0, 0, "model.layers.0.w", "unwritten")])
     assert summary(v) == "end-state check: 1 rank, 1 parameter: 1 unwritten on 1 rank (rank 0 (tp=0))"
+
+
+def test_ranks_known_only_by_their_urls_are_refused_not_merged_into_one() -> None:
+    """compare lined ranks up by coordinates alone: two ranks known only by URL became one, and a checkpoint
+    against rank a holding w and rank b holding v was "1 rank, 2 match" (each rank lacks one parameter)."""
+    import hashlib
+
+    from wcviz._errors import TableError
+    from wcviz.frame import make_frame
+
+    def row(name: str, **ident: object) -> dict:
+        return {"name": name, "digest": hashlib.sha256(name.encode()).hexdigest(), "algo": "sha256", **ident}
+
+    checkpoint = make_frame([row("w"), row("v")])
+    ranks = make_frame([row("w"), row("v")]).assign(url=["http://a", "http://b"])  # as a fetch gives them
+    with pytest.raises(TableError, match=r"actual table holds 2 ranks known only by their URL \(http://a, http://b\)"):
+        compare(checkpoint, ranks)
+    with pytest.raises(TableError, match="expected table holds 2 ranks known only by their URL"):
+        compare(ranks, ranks)
+    one = make_frame([row("w"), row("v")]).assign(url=["http://a", "http://a"])
+    assert set(compare(checkpoint, one)["status"]) == {"match"}  # one such rank is one rank

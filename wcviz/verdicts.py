@@ -73,6 +73,22 @@ def _algo(df: pd.DataFrame, label: str) -> str | None:
     return algos[0] if algos else None
 
 
+def _check_url_only(df: pd.DataFrame, label: str) -> None:
+    """A TableError if ``df`` holds more than one rank known only by its URL (no coordinate at all): ranks line up
+    by their coordinates here, so such ranks' rows would answer for one another (a false match)."""
+    if "url" not in df or not len(df):
+        return
+    coords = [c for c in IDENTITY if c in df]
+    bare = (df[coords].isna().all(axis=1).to_numpy() if coords else True) & df["url"].notna().to_numpy()
+    urls = list(dict.fromkeys(str(u) for u in df.loc[bare, "url"]))
+    if len(urls) > 1:
+        raise TableError(
+            f"{label} table holds {len(urls)} ranks known only by their URL ({', '.join(urls[:3])}{', ...' if len(urls) > 3 else ''}): "
+            "a comparison lines ranks up by their coordinates (rank, dp, pp, tp, ep), so their rows would answer for "
+            "one another; give each rank its coordinates, or compare one such rank at a time"
+        )
+
+
 def _broadcast(expected: pd.DataFrame, actual: pd.DataFrame) -> pd.DataFrame:
     """Expected rows with no rank identity apply to every rank that ``actual`` has."""
     ids = list(IDENTITY)
@@ -119,6 +135,8 @@ def compare(expected: pd.DataFrame, actual: pd.DataFrame) -> pd.DataFrame:
     act = validate(actual, "actual")
     check_identities(exp, "expected")
     check_identities(act, "actual")
+    _check_url_only(expected, "expected")
+    _check_url_only(actual, "actual")
     a_exp, a_act = _algo(exp, "expected"), _algo(act, "actual")
     if a_exp and a_act and a_exp != a_act:
         raise AlgorithmMismatch(f"cannot compare {a_exp} digests (expected) with {a_act} digests (actual)")
