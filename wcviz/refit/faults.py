@@ -31,7 +31,7 @@ from __future__ import annotations
 import difflib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeGuard
 
 if TYPE_CHECKING:
     import torch
@@ -74,7 +74,7 @@ class Fault:
             raise ValueError(f"fault {self.kind} needs {need} parameter name(s), got {list(self.params)}")
         if self.kind == "drop_buffer" and (self.buffer is None or self.point != "wire"):
             raise ValueError("fault drop_buffer needs buffer=<index> and point='wire'")
-        if self.kind == "drop_buffer" and not (isinstance(self.buffer, int) and _is_int(self.buffer) and self.buffer >= 0):  # -1 drops nothing
+        if self.kind == "drop_buffer" and not (_is_int(self.buffer) and self.buffer >= 0):  # -1 would drop nothing
             raise ValueError(f"fault drop_buffer needs a buffer index >= 0, got {self.buffer!r}")
         if self.kind == "flip_bit" and not (_is_int(self.bit) and self.bit >= 0):
             raise ValueError(f"fault flip_bit needs a bit index >= 0, got {self.bit!r}")
@@ -87,7 +87,7 @@ class Fault:
             raise ValueError("fault cast_dtype needs dtype=<name>, e.g. 'float16'")
 
 
-def _is_int(x: object) -> bool:
+def _is_int(x: object) -> TypeGuard[int]:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
